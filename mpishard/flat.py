@@ -1,0 +1,194 @@
+"""The flat parameter vector: named tensors as ranges of one 1-D array.
+
+Every range of the flat vector is named once here:
+
+* a tensor's **world range** (``layout.range(name)``): where a parameter lives;
+* a **bucket** (:func:`bucket_ranges`): a run of whole tensors that is reduced
+  as one message; buckets are listed in backward order (the highest offsets
+  first), because gradients become ready last layer first;
+* a **shard** (:func:`shard_ranges`): the contiguous piece of the flat vector a
+  ZeRO rank owns. Shards do not respect tensor boundaries.
+
+Pure arithmetic: nothing here imports MPI.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "ParamLayout",
+    "Range",
+    "TensorSpec",
+    "bucket_ranges",
+    "shard_ranges",
+]
+
+
+class Range(NamedTuple):
+    """Half-open range ``[start, stop)`` of a flat vector."""
+
+    start: int
+    stop: int
+
+    def __len__(self) -> int:  # type: ignore[override]
+        return max(0, self.stop - self.start)
+
+    @property
+    def size(self) -> int:
+        return len(self)
+
+    def intersect(self, other: Range) -> Range:
+        """The overlap with ``other``; empty ranges are clamped to ``(x, x)``."""
+        start = max(self.start, other.start)
+        stop = min(self.stop, other.stop)
+        return Range(start, max(start, stop))
+
+    def shift(self, offset: int) -> Range:
+        """The same range moved by ``-offset``: global to local coordinates."""
+        return Range(self.start - offset, self.stop - offset)
+
+    def slice(self) -> slice:
+        return slice(self.start, self.stop)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named tensor of a layout."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def range(self) -> Range:
+        return Range(self.offset, self.offset + self.size)
+
+
+class ParamLayout:
+    """Ordered names, shapes and offsets of the tensors in a flat vector.
+
+    Tensors are laid out in the order they are added, which for the library's
+    models is forward order; gradients are then written from the end of the
+    vector towards its start during backward.
+    """
+
+    def __init__(self, tensors: Iterable[tuple[str, tuple[int, ...]]] = ()) -> None:
+        self._specs: dict[str, TensorSpec] = {}
+        self._size = 0
+        for name, shape in tensors:
+            self.add(name, shape)
+
+    def add(self, name: str, shape: Iterable[int]) -> TensorSpec:
+        """Append a tensor and return its spec."""
+        shape = tuple(int(s) for s in shape)
+        if name in self._specs:
+            raise ValueError(f"tensor {name!r} is already in the layout")
+        if any(s < 0 for s in shape):
+            raise ValueError(f"tensor {name!r} has a negative dimension: {shape}")
+        spec = TensorSpec(name, shape, self._size)
+        self._specs[name] = spec
+        self._size += spec.size
+        return spec
+
+    @property
+    def size(self) -> int:
+        """Number of elements in the flat vector."""
+        return self._size
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __iter__(self) -> Iterator[TensorSpec]:
+        return iter(self._specs.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        try:
+            return self._specs[name]
+        except KeyError:
+            raise KeyError(f"no tensor {name!r} in the layout") from None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ParamLayout) and list(self) == list(other)
+
+    def range(self, name: str) -> Range:
+        """The world range of tensor ``name``."""
+        return self[name].range
+
+    def view(self, flat: Any, name: str) -> Any:
+        """A view of tensor ``name`` in ``flat`` (NumPy or CuPy), at its shape."""
+        spec = self[name]
+        return flat[spec.offset:spec.offset + spec.size].reshape(spec.shape)
+
+    def views(self, flat: Any) -> dict[str, Any]:
+        """Views of every tensor, by name."""
+        return {s.name: self.view(flat, s.name) for s in self}
+
+    def allocate(self, dtype: Any = np.float64, xp: Any = np) -> Any:
+        """A zeroed flat vector for this layout."""
+        return xp.zeros(self.size, dtype=dtype)
+
+    def tensors_in(self, r: Range) -> list[TensorSpec]:
+        """The tensors that overlap range ``r``, in layout order."""
+        return [s for s in self if len(s.range.intersect(r))]
+
+    def describe(self) -> list[dict[str, Any]]:
+        """A list of ``{name, shape, offset, size}`` records (for metadata)."""
+        return [{"name": s.name, "shape": list(s.shape), "offset": s.offset, "size": s.size}
+                for s in self]
+
+
+def bucket_ranges(layout: ParamLayout, bucket_elements: int) -> list[Range]:
+    """Cut the flat vector into buckets of whole tensors, in backward order.
+
+    Walking the tensors from the last to the first (the order their gradients
+    become ready), tensors are added to the current bucket until it would exceed
+    ``bucket_elements``; a tensor larger than that gets a bucket of its own.
+    Whole tensors per bucket means a layer's gradient never straddles a bucket
+    boundary unnecessarily, and every tensor lies in exactly one bucket.
+
+    Returns the buckets' world ranges, the one with the highest offsets first.
+    """
+    if bucket_elements < 1:
+        raise ValueError(f"bucket size must be at least 1 element, got {bucket_elements}")
+    buckets: list[Range] = []
+    stop = layout.size
+    start = stop
+    for spec in reversed(list(layout)):
+        if spec.size == 0:
+            continue
+        if start < stop and (stop - spec.offset) > bucket_elements:
+            buckets.append(Range(start, stop))
+            stop = start
+        start = spec.offset
+    if start < stop:
+        buckets.append(Range(start, stop))
+    return buckets
+
+
+def shard_ranges(n: int, parts: int) -> list[Range]:
+    """Split ``[0, n)`` into ``parts`` contiguous shards of ``ceil(n / parts)``.
+
+    The last shards are shorter (or empty when ``n < parts``): the padding of a
+    ZeRO partition is never materialised in parameter space, so it can never
+    reach a parameter. Shard ``r`` belongs to data-parallel rank ``r``.
+    """
+    if parts < 1:
+        raise ValueError(f"expecting at least 1 part, got {parts}")
+    per = -(-n // parts) if n else 0
+    return [Range(min(r * per, n), min((r + 1) * per, n)) for r in range(parts)]

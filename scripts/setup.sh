@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Install everything mpishard needs on a Debian bookworm machine with Python 3.11.
+#
+# Idempotent: a second run checks what is there and installs nothing new; the
+# MPI build of h5py (about 4 minutes) is cached as a wheel under
+# ${MPISHARD_CACHE:-~/.cache/mpishard}/wheels and never rebuilt once it imports.
+#
+# Environment:
+#   PYTHON            interpreter to make the virtual environment with (default python3)
+#   MPISHARD_VENV     where the virtual environment lives (default .venv in the repo)
+#   MPISHARD_SLURM=1  also install Slurm and munge (for the Slurm tests)
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${MPISHARD_VENV:-$repo/.venv}
+cache=${MPISHARD_CACHE:-$HOME/.cache/mpishard}
+python=${PYTHON:-python3}
+H5PY_VERSION=3.16.0
+
+say() { printf '[setup] %s\n' "$*"; }
+
+# --- Debian packages -------------------------------------------------------
+debs=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config python3-venv)
+if [ "${MPISHARD_SLURM:-0}" = 1 ]; then debs+=(slurm-wlm munge); fi
+missing=()
+for p in "${debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  say "apt-get install ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -q >/dev/null
+  $sudo apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# --- virtual environment ---------------------------------------------------
+if [ ! -x "$venv/bin/python" ]; then
+  say "creating $venv"
+  "$python" -m venv "$venv"
+fi
+py="$venv/bin/python"
+pipq() { "$py" -m pip install -q --disable-pip-version-check "$@"; }
+
+if ! "$py" -c "import mpi4py, numpy, pytest, pytest_mpi" 2>/dev/null; then
+  say "pip install mpi4py numpy pytest pytest-mpi"
+  pipq --upgrade pip setuptools wheel
+  pipq "mpi4py>=4.0,<5" "numpy>=1.24" "pytest>=8" "pytest-mpi>=0.6"
+fi
+
+# --- h5py built against the MPI-enabled HDF5 ------------------------------
+if ! "$py" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; then
+  hdf5_version=$(pkg-config --modversion hdf5-openmpi)
+  wheels="$cache/wheels/hdf5-openmpi-$hdf5_version"
+  mkdir -p "$wheels"
+  if ! ls "$wheels"/h5py-"$H5PY_VERSION"-*.whl >/dev/null 2>&1; then
+    say "building h5py $H5PY_VERSION against parallel HDF5 $hdf5_version (about 4 minutes, once)"
+    pipq "setuptools>=61" "cython>=3" pkgconfig
+    CC=mpicc HDF5_MPI=ON HDF5_PKGCONFIG_NAME=hdf5-openmpi \
+      "$py" -m pip wheel -q --disable-pip-version-check --no-deps --no-binary=h5py \
+      --no-build-isolation "h5py==$H5PY_VERSION" -w "$wheels"
+  fi
+  pipq --force-reinstall --no-deps "$wheels"/h5py-"$H5PY_VERSION"-*.whl
+  "$py" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" \
+    || { echo "h5py was installed but has no MPI support" >&2; exit 1; }
+fi
+
+# --- mpishard itself (editable, so tests see the working tree) -------------
+if ! "$py" -c "import mpishard" 2>/dev/null || [ "$repo/setup.cfg" -nt "$venv/.mpishard-installed" ]; then
+  say "pip install -e $repo"
+  pipq --no-build-isolation --no-deps -e "$repo"
+  touch "$venv/.mpishard-installed"
+fi
+say "ready: $py"
