@@ -26,6 +26,7 @@ __all__ = [
     "TensorSpec",
     "bucket_ranges",
     "shard_ranges",
+    "unit_ranges",
 ]
 
 
@@ -153,29 +154,43 @@ class ParamLayout:
                 for s in self]
 
 
-def bucket_ranges(layout: ParamLayout, bucket_elements: int) -> list[Range]:
-    """Cut the flat vector into buckets of whole tensors, in backward order.
+def unit_ranges(layout: ParamLayout) -> list[Range]:
+    """World ranges of the layout's *units*: runs of tensors whose names share a
+    prefix before the last dot (``"3.weight"`` and ``"3.bias"`` are unit ``"3"``).
 
-    Walking the tensors from the last to the first (the order their gradients
-    become ready), tensors are added to the current bucket until it would exceed
-    ``bucket_elements``; a tensor larger than that gets a bucket of its own.
-    Whole tensors per bucket means a layer's gradient never straddles a bucket
-    boundary unnecessarily, and every tensor lies in exactly one bucket.
+    A unit is what one layer writes in one go during backward; buckets never
+    split one, so each layer's gradients land in exactly one bucket.
+    """
+    units: list[Range] = []
+    prefix = None
+    for spec in layout:
+        head = spec.name.rsplit(".", 1)[0] if "." in spec.name else spec.name
+        if units and head == prefix:
+            units[-1] = Range(units[-1].start, spec.range.stop)
+        else:
+            units.append(spec.range)
+        prefix = head
+    return [u for u in units if len(u)]
+
+
+def bucket_ranges(layout: ParamLayout, bucket_elements: int) -> list[Range]:
+    """Cut the flat vector into buckets of whole units, in backward order.
+
+    Walking the units (:func:`unit_ranges`) from the last to the first, the order
+    their gradients become ready, units join the current bucket until it would
+    exceed ``bucket_elements``; a unit larger than that gets a bucket of its own.
 
     Returns the buckets' world ranges, the one with the highest offsets first.
     """
     if bucket_elements < 1:
         raise ValueError(f"bucket size must be at least 1 element, got {bucket_elements}")
     buckets: list[Range] = []
-    stop = layout.size
-    start = stop
-    for spec in reversed(list(layout)):
-        if spec.size == 0:
-            continue
-        if start < stop and (stop - spec.offset) > bucket_elements:
+    stop = start = layout.size
+    for unit in reversed(unit_ranges(layout)):
+        if start < stop and (stop - unit.start) > bucket_elements:
             buckets.append(Range(start, stop))
             stop = start
-        start = spec.offset
+        start = unit.start
     if start < stop:
         buckets.append(Range(start, stop))
     return buckets

@@ -1,0 +1,112 @@
+"""The layer interface of :class:`~mpishard.nn.Sequential` and the batch context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "BatchContext",
+    "Layer",
+]
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """Where the rows of one ``forward_backward`` sit in the global batch.
+
+    The rows are rows ``[start, start + rows)`` of the global batch of optimizer
+    step ``step``, which has ``global_size`` rows. Layers that draw random numbers
+    draw them for the whole global batch and use their rows, so that any
+    data-parallel split of the batch sees the same numbers.
+    """
+
+    step: int
+    start: int
+    global_size: int
+
+
+class Layer:
+    """One step of a :class:`~mpishard.nn.Sequential`: a map from rows to rows.
+
+    A layer owns no parameter or batch memory of its own:
+
+    * its parameters are views of the model's flat vector, handed to
+      :meth:`build` by name (``"weight"``, ``"bias"``);
+    * its activations and scratch live in a dict of buffers made by
+      :meth:`allocate` once per batch shape and passed back to :meth:`forward`
+      and the backward methods, so the step loop allocates nothing;
+    * its gradients are written into views chosen by the model (the flat
+      gradient vector, or whatever a strategy bound with ``bind_gradients``).
+
+    Backward is split in two so a model can tell a strategy the moment a layer's
+    gradients are final: :meth:`backward_params` writes d(loss)/d(params), then
+    :meth:`backward_input` returns d(loss)/d(input). Both may overwrite ``dy``:
+    it is scratch of the model that nothing reads afterwards.
+
+    Inputs are 2-D, ``(rows, features)``.
+    """
+
+    index: int = 0
+    xp: Any = np
+    dtype: np.dtype = np.dtype(np.float64)
+    params: dict[str, Any]
+
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The layer's tensors by local name, in the order they are laid out."""
+        return []
+
+    def build(self, index: int, xp: Any, dtype: Any, params: dict[str, Any]) -> None:
+        """Attach the layer to a model: its position, backend, dtype, parameter views."""
+        self.index = index
+        self.xp = xp
+        self.dtype = np.dtype(dtype)
+        self.params = params
+
+    def init_params(self, rng: np.random.Generator) -> None:
+        """Fill the parameter views from ``rng`` (a host generator)."""
+
+    def output_features(self, in_features: int) -> int:
+        """Width of the output for an input of width ``in_features``."""
+        return in_features
+
+    def allocate(self, rows: int, in_features: int, train: bool,
+                 need_dx: bool) -> dict[str, Any]:
+        """Buffers for batches of ``rows`` rows; backward ones only when ``train``.
+
+        ``need_dx`` is False when no one will ask for d(loss)/d(input) (the
+        first layer with parameters and those before it).
+        """
+        return {}
+
+    def forward(self, x: Any, buf: dict[str, Any], ctx: BatchContext | None) -> Any:
+        """The output for ``x``; ``ctx`` is None for inference (no dropout)."""
+        raise NotImplementedError
+
+    def backward_params(self, dy: Any, buf: dict[str, Any], grads: dict[str, Any],
+                        scratch: dict[str, Any] | None) -> None:
+        """Write d(loss)/d(params) into ``grads``.
+
+        With ``scratch`` (views of the same shapes) the gradient is computed
+        there and added to ``grads`` instead: that is gradient accumulation.
+        """
+
+    def backward_input(self, dy: Any, buf: dict[str, Any]) -> Any:
+        """d(loss)/d(input) from d(loss)/d(output) ``dy`` (which may be overwritten)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def store_gradient(grad: Any, scratch: dict[str, Any] | None, name: str) -> Any:
+    """Where a layer should compute gradient ``name``: ``grad`` or its scratch."""
+    return grad if scratch is None else scratch[name]
+
+
+def finish_gradient(xp: Any, grad: Any, out: Any) -> None:
+    """Add ``out`` to ``grad`` when it was computed in scratch (accumulation)."""
+    if out is not grad:
+        xp.add(grad, out, out=grad)

@@ -1,0 +1,92 @@
+"""A :class:`~mpishard.protocols.Model` around a user's ``f(params, x, y) -> (loss, grad)``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..backend import array_namespace
+from ..flat import ParamLayout
+
+__all__ = [
+    "FunctionModel",
+]
+
+
+class FunctionModel:
+    """A model for codes that compute their own gradient (an adjoint solver, JAX).
+
+    ``f(params, x, y)`` returns the mean loss over the rows of ``x`` and the
+    gradient with respect to ``params``, a flat array of ``params``' shape and
+    dtype. ``predict(params, x)``, if given, serves :meth:`forward`.
+
+    The model owns a copy of ``params`` (1-D, float32 or float64, NumPy or
+    CuPy) and a gradient vector of the same kind. ``layout`` names the tensors
+    in the flat vector (for checkpoints and tensor-aware strategies); by default
+    it is one tensor named ``"params"``.
+
+    This is a plain :class:`~mpishard.protocols.Model`, not a
+    :class:`~mpishard.protocols.BucketedModel`: ``f`` hands back its whole
+    gradient at once, so there is no backward progress to report and no way to
+    write the gradient elsewhere. Strategies reduce it after
+    :meth:`forward_backward` returns, without overlap.
+
+    Raises:
+        TypeError: ``params`` is not a float32 or float64 array.
+        ValueError: ``params`` is not 1-D, or ``layout`` has another size.
+    """
+
+    def __init__(self, f: Callable[[Any, Any, Any], tuple[Any, Any]], params: Any,
+                 layout: ParamLayout | None = None,
+                 predict: Callable[[Any, Any], Any] | None = None) -> None:
+        xp = array_namespace(params)
+        if params.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"expecting params of dtype float32 or float64, got {params.dtype}")
+        if params.ndim != 1:
+            raise ValueError(f"expecting a 1-D params vector, got shape {params.shape}")
+        if layout is None:
+            layout = ParamLayout([("params", params.shape)])
+        if layout.size != params.size:
+            raise ValueError(f"layout has {layout.size} elements, params has {params.size}")
+        self.f = f
+        self.predict = predict
+        self.layout = layout
+        self.params = params.copy()
+        self.grads = xp.zeros_like(self.params)
+        self.xp = xp
+
+    def forward(self, x: Any) -> Any:
+        """``predict(params, x)``.
+
+        Raises:
+            NotImplementedError: the model was made without ``predict``.
+        """
+        if self.predict is None:
+            raise NotImplementedError("this FunctionModel has no prediction: "
+                                      "pass predict=fn(params, x) to FunctionModel")
+        return self.predict(self.params, x)
+
+    def forward_backward(self, x: Any, y: Any, *, accumulate: bool = False) -> float:
+        """Call ``f`` and store its gradient in ``grads`` (added with ``accumulate=True``).
+
+        Raises:
+            ValueError: the gradient from ``f`` has the wrong shape.
+            TypeError: the gradient from ``f`` has the wrong dtype.
+        """
+        loss, grad = self.f(self.params, x, y)
+        if tuple(grad.shape) != self.params.shape:
+            raise ValueError(f"f returned a gradient of shape {tuple(grad.shape)}, "
+                             f"expecting {self.params.shape}")
+        if np.dtype(grad.dtype) != self.params.dtype:
+            raise TypeError(f"f returned a gradient of dtype {grad.dtype}, "
+                            f"expecting {self.params.dtype}")
+        if accumulate:
+            self.grads += self.xp.asarray(grad)
+        else:
+            self.grads[...] = self.xp.asarray(grad)
+        return float(loss)
+
+    def __repr__(self) -> str:
+        return (f"FunctionModel({getattr(self.f, '__name__', self.f)!r}, "
+                f"params={self.params.size}, dtype={self.params.dtype.name})")

@@ -1,0 +1,175 @@
+"""Layers with parameters: :class:`Linear` and :class:`LayerNorm`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .base import BatchContext, Layer, finish_gradient, store_gradient
+
+__all__ = [
+    "LayerNorm",
+    "Linear",
+]
+
+
+class Linear(Layer):
+    """Affine map ``y = x @ W + b`` with ``W`` of shape ``(in_features, out_features)``.
+
+    The weight is stored input-major (the transpose of PyTorch's) so that the
+    forward is one ``matmul`` of row-major arrays with no transpose, and the
+    weight gradient ``x.T @ dy`` is written straight into its gradient view.
+
+    Initialisation is PyTorch's default for ``nn.Linear``: weight and bias
+    uniform in ``[-1/sqrt(in_features), 1/sqrt(in_features)]`` (Kaiming-uniform
+    with ``a = sqrt(5)``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        if in_features < 1 or out_features < 1:
+            raise ValueError(f"expecting positive feature counts, got "
+                             f"in_features={in_features}, out_features={out_features}")
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.bias = bool(bias)
+
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        shapes = [("weight", (self.in_features, self.out_features))]
+        if self.bias:
+            shapes.append(("bias", (self.out_features,)))
+        return shapes
+
+    def init_params(self, rng: np.random.Generator) -> None:
+        bound = 1.0 / math.sqrt(self.in_features)
+        for name, shape in self.param_shapes():
+            host = rng.uniform(-bound, bound, size=shape).astype(self.dtype)
+            self.params[name][...] = self.xp.asarray(host)
+
+    def output_features(self, in_features: int) -> int:
+        if in_features != self.in_features:
+            raise ValueError(f"layer {self.index} (Linear) expects {self.in_features} "
+                             f"input features, got {in_features}")
+        return self.out_features
+
+    def allocate(self, rows: int, in_features: int, train: bool,
+                 need_dx: bool) -> dict[str, Any]:
+        xp = self.xp
+        buf = {"y": xp.empty((rows, self.out_features), dtype=self.dtype)}
+        if train and need_dx:
+            buf["dx"] = xp.empty((rows, self.in_features), dtype=self.dtype)
+        return buf
+
+    def forward(self, x: Any, buf: dict[str, Any], ctx: BatchContext | None) -> Any:
+        xp, y = self.xp, buf["y"]
+        xp.matmul(x, self.params["weight"], out=y)
+        if self.bias:
+            y += self.params["bias"]
+        buf["x"] = x  # a reference, not a copy: the weight gradient needs it
+        return y
+
+    def backward_params(self, dy: Any, buf: dict[str, Any], grads: dict[str, Any],
+                        scratch: dict[str, Any] | None) -> None:
+        xp = self.xp
+        out = store_gradient(grads["weight"], scratch, "weight")
+        xp.matmul(buf["x"].T, dy, out=out)
+        finish_gradient(xp, grads["weight"], out)
+        if self.bias:
+            out = store_gradient(grads["bias"], scratch, "bias")
+            xp.sum(dy, axis=0, out=out)
+            finish_gradient(xp, grads["bias"], out)
+
+    def backward_input(self, dy: Any, buf: dict[str, Any]) -> Any:
+        dx = buf["dx"]
+        self.xp.matmul(dy, self.params["weight"].T, out=dx)
+        return dx
+
+    def __repr__(self) -> str:
+        return f"Linear({self.in_features}, {self.out_features}, bias={self.bias})"
+
+
+class LayerNorm(Layer):
+    """Normalise each row over its features, then scale and shift.
+
+    ``y = (x - mean) / sqrt(var + eps) * weight + bias``, with the biased
+    variance over the last axis (as PyTorch). ``weight`` starts at ones and
+    ``bias`` at zeros.
+    """
+
+    def __init__(self, features: int, eps: float = 1e-5) -> None:
+        if features < 1:
+            raise ValueError(f"expecting a positive feature count, got {features}")
+        self.features = int(features)
+        self.eps = float(eps)
+
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [("weight", (self.features,)), ("bias", (self.features,))]
+
+    def init_params(self, rng: np.random.Generator) -> None:
+        self.params["weight"].fill(1)
+        self.params["bias"].fill(0)
+
+    def output_features(self, in_features: int) -> int:
+        if in_features != self.features:
+            raise ValueError(f"layer {self.index} (LayerNorm) expects {self.features} "
+                             f"features, got {in_features}")
+        return self.features
+
+    def allocate(self, rows: int, in_features: int, train: bool,
+                 need_dx: bool) -> dict[str, Any]:
+        xp, dt, f = self.xp, self.dtype, self.features
+        buf = {
+            "y": xp.empty((rows, f), dtype=dt),
+            "xhat": xp.empty((rows, f), dtype=dt),
+            "tmp": xp.empty((rows, f), dtype=dt),
+            "mean": xp.empty((rows, 1), dtype=dt),
+            "rstd": xp.empty((rows, 1), dtype=dt),
+        }
+        if train:
+            buf["mean2"] = xp.empty((rows, 1), dtype=dt)
+        return buf
+
+    def forward(self, x: Any, buf: dict[str, Any], ctx: BatchContext | None) -> Any:
+        xp = self.xp
+        xhat, tmp, mean, rstd, y = buf["xhat"], buf["tmp"], buf["mean"], buf["rstd"], buf["y"]
+        xp.mean(x, axis=1, keepdims=True, out=mean)
+        xp.subtract(x, mean, out=xhat)
+        xp.multiply(xhat, xhat, out=tmp)
+        xp.mean(tmp, axis=1, keepdims=True, out=rstd)
+        rstd += self.eps
+        xp.sqrt(rstd, out=rstd)
+        xp.reciprocal(rstd, out=rstd)
+        xhat *= rstd
+        xp.multiply(xhat, self.params["weight"], out=y)
+        y += self.params["bias"]
+        return y
+
+    def backward_params(self, dy: Any, buf: dict[str, Any], grads: dict[str, Any],
+                        scratch: dict[str, Any] | None) -> None:
+        xp, tmp = self.xp, buf["tmp"]
+        out = store_gradient(grads["weight"], scratch, "weight")
+        xp.multiply(dy, buf["xhat"], out=tmp)
+        xp.sum(tmp, axis=0, out=out)
+        finish_gradient(xp, grads["weight"], out)
+        out = store_gradient(grads["bias"], scratch, "bias")
+        xp.sum(dy, axis=0, out=out)
+        finish_gradient(xp, grads["bias"], out)
+
+    def backward_input(self, dy: Any, buf: dict[str, Any]) -> Any:
+        # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * weight,
+        # computed in place in dy (the parameter gradients were taken already).
+        xp = self.xp
+        g, xhat, m1, m2 = buf["tmp"], buf["xhat"], buf["mean"], buf["mean2"]
+        xp.multiply(dy, self.params["weight"], out=g)
+        xp.mean(g, axis=1, keepdims=True, out=m1)
+        xp.multiply(g, xhat, out=dy)
+        xp.mean(dy, axis=1, keepdims=True, out=m2)
+        xp.multiply(xhat, m2, out=dy)
+        xp.subtract(g, dy, out=dy)
+        dy -= m1
+        dy *= buf["rstd"]
+        return dy
+
+    def __repr__(self) -> str:
+        return f"LayerNorm({self.features}, eps={self.eps})"
