@@ -1,0 +1,171 @@
+"""Splitting global batches across data-parallel ranks; a resumable sampler.
+
+The sampler's order depends only on ``(seed, epoch)`` and the global batch size,
+never on the number of ranks: global batch ``b`` of an epoch is the same set of
+samples whichever world trains on it, and data-parallel rank ``r`` of ``N`` takes
+rows ``[r * B/N, (r + 1) * B/N)`` of it. A serial run on the global batch and a
+distributed run therefore see the same data, and a job resized between steps
+(elastic training, a restart at another size) goes on without repeating or
+skipping a sample within the epoch: the position is counted in samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ArrayDataset", "BatchSplit", "SamplerState", "ShardedSampler", "split_batch"]
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """How one global batch is cut: per rank, then per micro-batch."""
+
+    global_size: int
+    ranks: int
+    micro_batches: int
+
+    @property
+    def local_size(self) -> int:
+        return self.global_size // self.ranks
+
+    @property
+    def micro_size(self) -> int:
+        return self.local_size // self.micro_batches
+
+    def local_range(self, rank: int) -> tuple[int, int]:
+        """Rows of the global batch that data-parallel ``rank`` trains on."""
+        return rank * self.local_size, (rank + 1) * self.local_size
+
+
+def split_batch(global_size: int, ranks: int, micro_batches: int = 1) -> BatchSplit:
+    """Check that a global batch splits evenly and say how.
+
+    Raises:
+        ValueError: the global batch does not divide into ``ranks`` equal local
+            batches of ``micro_batches`` equal micro-batches each.
+    """
+    if not isinstance(global_size, (int, np.integer)) or global_size < 1:
+        raise ValueError(f"batch size must be a positive integer, got {global_size!r}")
+    if micro_batches < 1:
+        raise ValueError(f"micro-batches must be at least 1, got {micro_batches}")
+    parts = ranks * micro_batches
+    if global_size % parts:
+        raise ValueError(
+            f"global batch size {global_size} does not split across {ranks} data-parallel "
+            f"rank(s) x {micro_batches} micro-batch(es): expecting a multiple of {parts}")
+    return BatchSplit(int(global_size), ranks, micro_batches)
+
+
+@dataclass
+class SamplerState:
+    """Where a sampler is: what a checkpoint stores under ``/data``."""
+
+    epoch: int = 0
+    samples_consumed: int = 0   # within the epoch, counted in samples, not batches
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class ShardedSampler:
+    """Global batches of a shuffled epoch; each rank asks for its rows.
+
+    Args:
+        num_samples: size of the dataset.
+        batch_size: global batch size.
+        seed: shuffle seed; epoch ``e`` uses the permutation of ``(seed, e)``.
+        shuffle: ``False`` keeps the dataset order.
+
+    The last incomplete batch of an epoch is dropped, so every step sees a full
+    global batch and the loss is the mean over exactly ``batch_size`` samples.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int = 0,
+                 shuffle: bool = True) -> None:
+        if batch_size > num_samples:
+            raise ValueError(
+                f"global batch size {batch_size} is larger than the dataset ({num_samples} samples)")
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.state = SamplerState(seed=seed)
+        self._order = np.empty(num_samples, dtype=np.int64)
+        self._order_epoch = -1
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_samples // self.batch_size
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The sample order of ``epoch`` (cached: one permutation per epoch)."""
+        if self._order_epoch != epoch:
+            if self.shuffle:
+                rng = np.random.default_rng([self.state.seed, epoch])
+                self._order[:] = rng.permutation(self.num_samples)
+            else:
+                self._order[:] = np.arange(self.num_samples)
+            self._order_epoch = epoch
+        return self._order
+
+    def remaining_in_epoch(self) -> int:
+        """Full global batches left in the current epoch."""
+        return (self.num_samples - self.state.samples_consumed) // self.batch_size
+
+    def batch_indices(self, start: int, stop: int) -> np.ndarray:
+        """Indices of rows ``[start, stop)`` of the current global batch (a view)."""
+        s = self.state.samples_consumed
+        return self.order(self.state.epoch)[s + start:s + stop]
+
+    def advance(self) -> None:
+        """Move past the current global batch; roll over to the next epoch at its end."""
+        self.state.samples_consumed += self.batch_size
+        if self.remaining_in_epoch() == 0:
+            self.state.epoch += 1
+            self.state.samples_consumed = 0
+
+    def load_state(self, state: SamplerState | dict[str, int]) -> None:
+        if isinstance(state, dict):
+            state = SamplerState(**state)
+        self.state = SamplerState(state.epoch, state.samples_consumed, state.seed)
+        self._order_epoch = -1
+
+
+class ArrayDataset:
+    """Inputs and targets held as arrays with samples along the first axis.
+
+    ``gather(indices, x_out, y_out)`` copies the selected rows into preallocated
+    buffers (``numpy.take`` with ``out=``), so the step loop allocates nothing.
+    """
+
+    def __init__(self, x: Any, y: Any) -> None:
+        if len(x) != len(y):
+            raise ValueError(f"inputs have {len(x)} samples but targets have {len(y)}")
+        self.x = x
+        self.y = y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def buffers(self, rows: int, xp: Any = np, float_dtype: Any = None) -> tuple[Any, Any]:
+        """Buffers for ``rows`` samples, on the device of ``xp``; floating-point
+        data is held in ``float_dtype`` (the model's) when given, so the cast
+        happens once, in the copy into the buffer."""
+        def dtype(a: Any) -> Any:
+            floating = np.issubdtype(a.dtype, np.floating)
+            return float_dtype if floating and float_dtype is not None else a.dtype
+
+        return (xp.empty((rows,) + self.x.shape[1:], dtype=dtype(self.x)),
+                xp.empty((rows,) + self.y.shape[1:], dtype=dtype(self.y)))
+
+    def gather(self, indices: np.ndarray, x_out: Any, y_out: Any) -> None:
+        if isinstance(x_out, np.ndarray):
+            # np.take casts into out; no temporary, nothing allocated per step.
+            np.take(self.x, indices, axis=0, out=x_out, mode="clip")
+            np.take(self.y, indices, axis=0, out=y_out, mode="clip")
+        else:  # device buffers: gather on the host, then one copy each
+            x_out.set(np.take(self.x, indices, axis=0).astype(x_out.dtype, copy=False))
+            y_out.set(np.take(self.y, indices, axis=0).astype(y_out.dtype, copy=False))

@@ -1,0 +1,13 @@
+"""Training strategies: how gradients, state and parameters are spread over ranks."""
+
+from .base import DataParallelOptimizer, TrainResult
+from .ddp import DDPOptimizer
+from .zero2 import ZeRO2Optimizer, choose_reduce_method
+
+__all__ = [
+    "DDPOptimizer",
+    "DataParallelOptimizer",
+    "TrainResult",
+    "ZeRO2Optimizer",
+    "choose_reduce_method",
+]
