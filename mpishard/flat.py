@@ -155,16 +155,18 @@ class ParamLayout:
 
 
 def unit_ranges(layout: ParamLayout) -> list[Range]:
-    """World ranges of the layout's *units*: runs of tensors whose names share a
-    prefix before the last dot (``"3.weight"`` and ``"3.bias"`` are unit ``"3"``).
+    """World ranges of the layout's *units*: runs of tensors whose names share
+    their first component (``"3.weight"``, ``"3.bias"`` and ``"3.attn.wq"`` are all
+    unit ``"3"``).
 
-    A unit is what one layer writes in one go during backward; buckets never
-    split one, so each layer's gradients land in exactly one bucket.
+    A unit is what one top-level layer writes in one go during backward (a
+    composite layer such as a transformer block included); buckets never split
+    one, so each layer's gradients land in exactly one bucket.
     """
     units: list[Range] = []
     prefix = None
     for spec in layout:
-        head = spec.name.rsplit(".", 1)[0] if "." in spec.name else spec.name
+        head = spec.name.split(".", 1)[0]
         if units and head == prefix:
             units[-1] = Range(units[-1].start, spec.range.stop)
         else:
