@@ -144,6 +144,14 @@ class FlatComm:
         request = self.comm.Ireduce_scatter(send, recv, counts, op=MPI.SUM)
         return Handle(self, request, "Ireduce_scatter", _chain(copy_back, finish))
 
+    def Reduce_scatter(self, sendbuf: Any, recvbuf: Any, counts: list[int],
+                       slot: Any = "reduce_scatter") -> None:
+        """Blocking :meth:`Ireduce_scatter`. Collective over the group."""
+        if self.timeout is not None or array_namespace(sendbuf) is not np:
+            self.Ireduce_scatter(sendbuf, recvbuf, counts, slot).wait()
+        else:
+            self.comm.Reduce_scatter(sendbuf, recvbuf, counts, op=MPI.SUM)
+
     def Allgatherv(self, buf: Any, counts: list[int], slot: Any = "allgather") -> None:
         """Gather in place: rank ``i`` contributes its piece of ``buf`` (``counts[i]``
         elements at ``sum(counts[:i])``) and receives everyone's. Collective over
