@@ -1,0 +1,145 @@
+"""Shared machinery of the flat-vector optimizers: chunking, scratch buffers, checks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Iterator
+
+import numpy as np
+
+from ..backend import array_namespace
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "DEVICE_CHUNK_ELEMENTS",
+    "FlatOptimizer",
+    "ScratchBuffers",
+    "check_hyperparameter",
+    "check_range",
+]
+
+#: Elements per chunk on the host. An update does about a dozen in-place NumPy
+#: passes over each chunk; the chunk's slices of the parameters, gradients, state
+#: and scratch must stay in cache between those passes, so that main memory is
+#: read and written once per element. Smaller chunks pay Python's per-call cost
+#: (~1 us per ufunc, ~12 us per Adam chunk) too often: 4K-16K measured 1.3-2.5x
+#: slower. 64K float32 (256 KiB per array, ~1.3 MiB for Adam's five) fits a 2 MiB
+#: L2 and measured within noise of the best (128K-1M) at 25M elements. At 1.9M
+#: elements 256K chunks were up to ~20% faster, but only by using this 2-core
+#: machine's 32 MiB L3, which ranks sharing a node would share too
+#: (scripts/bench_optimizer.py --chunk-sweep).
+CHUNK_ELEMENTS = 1 << 16
+
+#: Elements per chunk for device arrays (CuPy). A GPU gains nothing from
+#: chunking; the loop only bounds the scratch memory (two buffers of this many
+#: elements, 64 MiB each in float32) and costs a dozen kernel launches per chunk.
+DEVICE_CHUNK_ELEMENTS = 1 << 24
+
+
+class ScratchBuffers:
+    """Grow-only work arrays, one set per (array module, device, dtype).
+
+    ``get`` returns ``count`` arrays of at least ``size`` elements; they are made
+    on the first request and replaced only by a larger request, so a training loop
+    allocates nothing after its first step.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._buffers: dict[tuple[str, Any, str], tuple[Any, ...]] = {}
+
+    def get(self, xp: Any, dtype: Any, size: int, device: Any = None) -> tuple[Any, ...]:
+        key = (xp.__name__, device, np.dtype(dtype).str)
+        buffers = self._buffers.get(key)
+        if buffers is None or buffers[0].shape[0] < size:
+            buffers = tuple(xp.empty(size, dtype=dtype) for _ in range(self.count))
+            self._buffers[key] = buffers
+        return buffers
+
+
+def check_range(params: Any, grads: Any, state: dict[str, Any], names: tuple[str, ...],
+                step: int) -> None:
+    """Raise ``ValueError`` unless the arguments of an update fit together."""
+    if getattr(params, "ndim", None) != 1:
+        raise ValueError(f"expecting 1-D params, got shape {getattr(params, 'shape', None)}")
+    if grads.shape != params.shape:
+        raise ValueError(f"expecting grads of shape {params.shape}, got {grads.shape}")
+    if grads.dtype != params.dtype:
+        raise ValueError(f"expecting grads of dtype {params.dtype}, got {grads.dtype}")
+    for name in names:
+        if name not in state:
+            raise ValueError(f"expecting state {sorted(names)}, got {sorted(state)}")
+        if state[name].shape != params.shape:
+            raise ValueError(
+                f"expecting state[{name!r}] of shape {params.shape}, got {state[name].shape}")
+    if step < 1:
+        raise ValueError(f"expecting a 1-based step >= 1, got {step}")
+
+
+def check_hyperparameter(name: str, value: Any, low: float, high: float | None = None,
+                         high_open: bool = False) -> float:
+    """Return ``float(value)``; raise ``ValueError`` unless ``low <= value`` (and ``< high``)."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expecting a number for {name}, got {value!r}") from None
+    bad = not math.isfinite(x) or x < low or (high is not None and (x >= high if high_open
+                                                                    else x > high))
+    if bad:
+        close = ")" if high_open else "]"
+        span = f"in [{low}, {high}{close}" if high is not None else f">= {low}"
+        raise ValueError(f"expecting {name} {span}, got {value!r}")
+    return x
+
+
+@dataclass
+class FlatOptimizer:
+    """Base class: hyperparameters from the dataclass fields, zeroed state, chunks.
+
+    Subclasses are dataclasses whose ``init`` fields are exactly their
+    hyperparameters; they set ``state_names`` and ``scratch_count`` and implement
+    ``update``. ``chunk_size`` (keyword only) changes speed, never results: every
+    operation is elementwise, so any chunking gives bit-identical updates.
+    The scratch belongs to the instance: one thread updates with it at a time.
+    """
+
+    state_names: ClassVar[tuple[str, ...]] = ()
+    scratch_count: ClassVar[int] = 2
+
+    chunk_size: int = field(default=CHUNK_ELEMENTS, kw_only=True, repr=False, compare=False)
+    _scratch: ScratchBuffers = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if int(self.chunk_size) != self.chunk_size or self.chunk_size < 1:
+            raise ValueError(f"expecting chunk_size >= 1, got {self.chunk_size!r}")
+        self.chunk_size = int(self.chunk_size)
+        self._scratch = ScratchBuffers(self.scratch_count)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """A JSON-serialisable dict that :func:`optimizer_from_hyperparameters` reads back."""
+        out: dict[str, Any] = {"name": type(self).__name__}
+        for f in fields(self):
+            if f.init and f.name != "chunk_size":
+                value = getattr(self, f.name)
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def init_state(self, size: int, dtype: Any, xp: Any) -> dict[str, Any]:
+        """Zeroed state arrays of length ``size`` by name (``{}`` when stateless)."""
+        return {name: xp.zeros(size, dtype=dtype) for name in self.state_names}
+
+    def _chunks(self, params: Any) -> tuple[Any, Iterator[tuple[int, int]], tuple[Any, ...]]:
+        """The array module, the ``(start, stop)`` chunks of ``params`` and the scratch."""
+        xp = array_namespace(params)
+        n = params.shape[0]
+        limit = self.chunk_size if xp is np else DEVICE_CHUNK_ELEMENTS
+        chunk = max(1, min(limit, n))
+        device = getattr(getattr(params, "device", None), "id", None)
+        scratch = self._scratch.get(xp, params.dtype, chunk, device)
+        return xp, _bounds(n, chunk), scratch
+
+
+def _bounds(n: int, chunk: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, n, chunk):
+        yield start, min(start + chunk, n)
