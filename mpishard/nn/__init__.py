@@ -1,27 +1,50 @@
 """Layers and models whose parameters are views of one flat NumPy or CuPy vector."""
 
 from .activations import GELU, ReLU, Tanh
+from .attention import CausalSelfAttention
 from .base import BatchContext, Layer
 from .dropout import Dropout
+from .embedding import Embedding, LMHead
 from .function_model import FunctionModel
+from .gpt import GPT, TransformerBlock
 from .layers import LayerNorm, Linear
 from .losses import Loss, MSELoss, SoftmaxCrossEntropy
 from .mlp import MLP
 from .sequential import Sequential
+from .sharding import ShardedSequential, TensorShard, owned_ranges, tensor_shards
+from .tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    RowParallelLinear,
+    VocabParallelCrossEntropy,
+)
 
 __all__ = [
     "BatchContext",
+    "CausalSelfAttention",
+    "ColumnParallelLinear",
     "Dropout",
+    "Embedding",
     "FunctionModel",
     "GELU",
+    "GPT",
+    "LMHead",
     "Layer",
     "LayerNorm",
     "Linear",
     "Loss",
     "MLP",
     "MSELoss",
+    "ParallelMLP",
     "ReLU",
+    "RowParallelLinear",
     "Sequential",
+    "ShardedSequential",
     "SoftmaxCrossEntropy",
     "Tanh",
+    "TensorShard",
+    "TransformerBlock",
+    "VocabParallelCrossEntropy",
+    "owned_ranges",
+    "tensor_shards",
 ]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .sharding import TensorShard
 
 __all__ = [
     "BatchContext",
@@ -46,7 +49,10 @@ class Layer:
     :meth:`backward_input` returns d(loss)/d(input). Both may overwrite ``dy``:
     it is scratch of the model that nothing reads afterwards.
 
-    Inputs are 2-D, ``(rows, features)``.
+    Inputs are 2-D, ``(rows, features)``; a layer of other shapes (the
+    sequence layers of :class:`~mpishard.nn.GPT`) overrides :meth:`output_shape`
+    and :meth:`allocate_shape` and runs in a
+    :class:`~mpishard.nn.sharding.ShardedSequential`.
     """
 
     index: int = 0
@@ -97,8 +103,48 @@ class Layer:
         """d(loss)/d(input) from d(loss)/d(output) ``dy`` (which may be overwritten)."""
         raise NotImplementedError
 
+    # -- shapes other than (rows, features), and tensor shards ------------------
+    #
+    # Used by :class:`~mpishard.nn.sharding.ShardedSequential` (GPT, pipeline
+    # stages, tensor parallelism); :class:`~mpishard.nn.Sequential` does not
+    # call them. The defaults describe a layer of rows that holds its tensors
+    # in full.
+
+    #: The layer reads integer indices (token ids), not floating-point features.
+    index_input: bool = False
+
+    def output_shape(self, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of the output for an input of shape ``in_shape``.
+
+        The default is ``(rows, output_features(features))`` for 2-D inputs;
+        sequence layers (``(batch, tokens, features)``) override it.
+        """
+        rows, features = _rows_features(self, in_shape)
+        return (rows, self.output_features(features))
+
+    def allocate_shape(self, in_shape: tuple[int, ...], train: bool,
+                       need_dx: bool) -> dict[str, Any]:
+        """:meth:`allocate` for an input of shape ``in_shape`` (2-D by default)."""
+        rows, features = _rows_features(self, in_shape)
+        return self.allocate(rows, features, train, need_dx)
+
+    def local_shards(self) -> dict[str, TensorShard]:
+        """The tensors this rank holds only a slice of, by local name.
+
+        Tensors not listed are held in full, identical on every rank of the
+        tensor-parallel group (see :mod:`mpishard.nn.sharding`).
+        """
+        return {}
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _rows_features(layer: Layer, shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) != 2:
+        raise ValueError(f"layer {layer.index} ({type(layer).__name__}) expects 2-D input "
+                         f"(rows, features), got shape {tuple(shape)}")
+    return int(shape[0]), int(shape[1])
 
 
 def store_gradient(grad: Any, scratch: dict[str, Any] | None, name: str) -> Any:

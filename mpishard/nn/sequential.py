@@ -245,6 +245,91 @@ class Sequential:
             if i > self._first_param:
                 dy = layer.backward_input(dy, buf)
 
+    # -- the model API: thin methods over mpishard.checkpoint.model_api ---------
+    # (imported inside each method: the checkpoint layer sits above nn)
+
+    def predict(self, x: Any) -> Any:
+        """The output for ``x``, as :meth:`forward` (dropout off)."""
+        from ..checkpoint.model_api import predict
+
+        return predict(self, x)
+
+    def train(self, x: Any, y: Any, optimizer: Any = None) -> float:
+        """One optimizer step on ``(x, y)`` in this process; returns the loss.
+
+        The optimizer (``SGD(lr=0.01)`` on the first call without one) and its
+        state stay on the model for later calls; the loss goes into the history.
+        See :func:`mpishard.checkpoint.model_api.train_step`.
+        """
+        from ..checkpoint.model_api import train_step
+
+        return train_step(self, x, y, optimizer)
+
+    def get_model_metadata(self) -> dict[str, Any]:
+        """Layers, tensor shapes, parameter count, dtype, training history, metrics."""
+        from ..checkpoint.model_api import model_metadata
+
+        return model_metadata(self)
+
+    def serialize(self) -> bytes:
+        """The model file (parameters, architecture, history) as bytes: HDF5, never pickle."""
+        from ..checkpoint.model_api import serialize_model
+
+        return serialize_model(self)
+
+    def deserialize(self, data: bytes) -> Sequential:
+        """Load parameters and history from :meth:`serialize` bytes into this model.
+
+        Raises:
+            CheckpointError: damaged bytes, or another architecture.
+        """
+        from ..checkpoint.model_api import deserialize_model
+
+        return deserialize_model(self, data)
+
+    def save_model(self, path: Any) -> str:
+        """Write the model file at ``path`` (atomically); returns the path."""
+        from ..checkpoint.model_api import save_model
+
+        return save_model(self, path)
+
+    def load_model(self, path: Any) -> Sequential:
+        """Load the parameters of a model file or checkpoint into this model.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            CheckpointError: not a valid model file, or another architecture.
+        """
+        from ..checkpoint.model_api import load_model_into
+
+        return load_model_into(self, path)
+
+    @classmethod
+    def from_file(cls, path: Any, xp: Any = np) -> Sequential:
+        """A new model rebuilt from the architecture a model file records."""
+        from ..checkpoint.model_api import load_model
+
+        return load_model(path, xp=xp)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, xp: Any = np) -> Sequential:
+        """A new model rebuilt from :meth:`serialize` bytes."""
+        from ..checkpoint.model_api import model_from_bytes
+
+        return model_from_bytes(data, xp=xp)
+
+    def with_parameters(self, vector: Any) -> Sequential:
+        """A copy of this model whose parameters are ``vector``."""
+        from ..checkpoint.model_api import with_parameters
+
+        return with_parameters(self, vector)
+
+    def clone(self) -> Sequential:
+        """An independent copy: same class, layers, parameters and history."""
+        from ..checkpoint.model_api import clone_model
+
+        return clone_model(self)
+
     def __repr__(self) -> str:
         inner = ", ".join(repr(layer) for layer in self.layers)
         return (f"{type(self).__name__}([{inner}], loss={self.loss!r}, "
