@@ -2,7 +2,8 @@
 # Install everything (scripts/setup.sh) and run the whole test suite:
 #   1. the tests that need no MPI world (pure arithmetic, layers, optimizers, and
 #      the tests that start their own mpirun), with plain pytest;
-#   2. the MPI tests under `mpirun -n N python -m pytest --with-mpi` for N = 1, 2, 4.
+#   2. the MPI tests under `mpirun -n N python -m pytest --with-mpi` for N = 1, 2, 4,
+#      and the model-parallel ones at N = 8 (the tp2-pp2-dp2 layout).
 # Extra arguments go to every pytest call (for example -x or -k ddp).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -12,12 +13,17 @@ py=${MPISHARD_VENV:-$repo/.venv}/bin/python
 source scripts/mpienv.sh
 
 echo "== tests without an MPI world"
-"$py" -m pytest -q -p no:cacheprovider -m "not mpi" "$@" tests
+"$py" -m pytest -q -p no:cacheprovider --color=no -m "not mpi" "$@" tests
 
 for n in 1 2 4; do
   echo "== mpirun -n $n python -m pytest --with-mpi"
   # timeout: a deadlocked collective must fail the run, not eat CI's 90 minutes.
   timeout --kill-after=30 1500 mpirun $MPISHARD_MPIRUN_FLAGS -n "$n" \
-    "$py" -m pytest -q -p no:cacheprovider --with-mpi -m mpi "$@" tests
+    "$py" -m pytest -q -p no:cacheprovider --color=no --with-mpi -m mpi "$@" tests
 done
+# The 3D layout tp2-pp2-dp2 needs 8 ranks: the model-parallel tests run there too.
+echo "== mpirun -n 8 python -m pytest --with-mpi (3D layouts)"
+timeout --kill-after=30 1500 mpirun $MPISHARD_MPIRUN_FLAGS -n 8 \
+  "$py" -m pytest -q -p no:cacheprovider --color=no --with-mpi -m mpi "$@" tests/test_hybrid.py \
+  tests/test_tensor_parallel.py
 echo "== all test runs passed"

@@ -64,3 +64,25 @@ def test_bad_names_and_sizes():
         schedule("zigzag", 2, 2, 0)
     with pytest.raises(ValueError, match="stage=2"):
         schedule("gpipe", 2, 2, 2)
+
+
+def test_balance_stages_is_optimal_and_contiguous():
+    from itertools import combinations
+
+    from mpishard.pipeline.partition import balance_stages, check_boundaries
+
+    costs = [50, 10, 10, 10, 10, 40, 5, 60]
+    for p in range(1, len(costs) + 1):
+        ranges = balance_stages(costs, p)
+        assert ranges[0][0] == 0 and ranges[-1][1] == len(costs) and len(ranges) == p
+        assert all(a < b for a, b in ranges)
+        worst = max(sum(costs[a:b]) for a, b in ranges)
+        # brute force over all cut positions
+        best = min(max(sum(costs[a:b]) for a, b in zip((0,) + cuts, cuts + (len(costs),)))
+                   for cuts in combinations(range(1, len(costs)), p - 1))
+        assert worst == best
+    with pytest.raises(ValueError, match="larger than the model's 8 top-level layers"):
+        balance_stages(costs, 9)
+    assert check_boundaries([0, 3, 5], 8, 3) == [(0, 3), (3, 5), (5, 8)]
+    with pytest.raises(ValueError, match="contiguous stage ranges"):
+        check_boundaries([0, 5, 3], 8, 3)

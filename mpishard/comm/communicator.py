@@ -95,11 +95,9 @@ class FlatComm:
         if xp is np:
             return buf, None
         synchronize(xp)
-        if self._cuda_aware is None:
-            self._cuda_aware = cuda_aware()
-        if self._cuda_aware:
+        if self._device_direct():
             return buf, None
-        host = self._staging_buffer(slot, buf.size, buf.dtype, xp)
+        host = self._staging_buffer(slot, buf.size, buf.dtype, xp).reshape(buf.shape)
         buf.get(out=host)
 
         def copy_back() -> None:
@@ -175,6 +173,27 @@ class FlatComm:
             self.comm.Bcast(host, root=root)
         if copy_back is not None:
             copy_back()
+
+    def Isend(self, buf: Any, dest: int, tag: int, slot: Any = "send") -> Handle:
+        """Start sending ``buf`` to ``dest``; ``buf`` must stay unchanged until done."""
+        host, _ = self._host(buf, slot)
+        return Handle(self, self.comm.Isend(host, dest=dest, tag=tag), f"Isend to rank {dest}")
+
+    def Recv(self, buf: Any, source: int, tag: int, slot: Any = "recv") -> None:
+        """Receive into ``buf`` from ``source`` (waits, with the group's timeout)."""
+        xp = array_namespace(buf)
+        if xp is np or self._device_direct():
+            self.wait_request(self.comm.Irecv(buf, source=source, tag=tag),
+                              f"Irecv from rank {source}")
+            return
+        host = self._staging_buffer(slot, buf.size, buf.dtype, xp)
+        self.wait_request(self.comm.Irecv(host, source=source, tag=tag), f"Irecv from rank {source}")
+        buf.set(host.reshape(buf.shape))
+
+    def _device_direct(self) -> bool:
+        if self._cuda_aware is None:
+            self._cuda_aware = cuda_aware()
+        return self._cuda_aware
 
     def allreduce_scalar(self, value: float, op: MPI.Op = MPI.SUM) -> float:
         """Reduce one Python float over the group. Collective over the group."""

@@ -2,11 +2,14 @@
 
 from .base import DataParallelOptimizer, TrainResult
 from .ddp import DDPOptimizer
+from .hybrid import HybridShardedModel, HybridShardedOptimizer
 from .zero2 import ZeRO2Optimizer, choose_reduce_method
 
 __all__ = [
     "DDPOptimizer",
     "DataParallelOptimizer",
+    "HybridShardedModel",
+    "HybridShardedOptimizer",
     "TrainResult",
     "ZeRO2Optimizer",
     "choose_reduce_method",

@@ -55,6 +55,10 @@ class DataParallelOptimizer:
 
     #: Human-readable name, written into checkpoints and reports.
     strategy = "data-parallel"
+    #: Subclasses that hold a tensor/pipeline shard of the model set this.
+    _model_parallel = False
+    #: Extra factor on the summed gradient (a pipeline's 1 / micro-batches).
+    _gradient_factor = 1.0
 
     def __init__(self, optimizer: Optimizer, config: ShardingConfiguration | None = None, *,
                  model: Model | None = None, bucket_mb: float = 25.0,
@@ -74,7 +78,7 @@ class DataParallelOptimizer:
             problem = f"max_grad_norm must be positive or None, got {max_grad_norm!r}"
         agree(comm, problem, ValueError)
         topo = self.config.topology
-        if topo.tp * topo.pp != 1:
+        if topo.tp * topo.pp != 1 and not self._model_parallel:
             agree(comm, f"{type(self).__name__} replicates the whole model, but the layout has "
                         f"tensor_parallel_size={topo.tp} and pipeline_parallel_size={topo.pp}; "
                         f"use HybridShardedOptimizer for tensor or pipeline parallelism",
@@ -181,7 +185,8 @@ class DataParallelOptimizer:
         self._finish_gradients()
         t1 = time.perf_counter()
         self.timings["communication"] += t1 - t0
-        scale = 1.0 / (self.dp.size * self._pending_micro)
+        loss_scale = 1.0 / (self.dp.size * self._pending_micro)
+        scale = loss_scale * self._gradient_factor
         coefficient = 1.0
         if self.max_grad_norm is not None:
             norm = math.sqrt(self._global_sum_of_squares()) * scale
@@ -194,7 +199,7 @@ class DataParallelOptimizer:
         self.timings["optimizer"] += t2 - t1
         self._gather_parameters()
         self.timings["gather"] += time.perf_counter() - t2
-        loss = self.dp.allreduce_scalar(self._loss_sum) * scale
+        loss = self.dp.allreduce_scalar(self._loss_sum) * loss_scale
         self._pending_micro = 0
         self._loss_sum = 0.0
         return loss
@@ -242,7 +247,9 @@ class DataParallelOptimizer:
         dataset = data if hasattr(data, "gather") else ArrayDataset(*data)
         problem = None
         try:
-            split = split_batch(batch_size, self.dp.size, self.accumulation_steps)
+            # A pipelined model cuts each micro-batch again into its own micro-batches.
+            pipeline = getattr(model, "micro_batches", 1)
+            split = split_batch(batch_size, self.dp.size, self.accumulation_steps * pipeline)
             if self.sampler is None or self.sampler.batch_size != batch_size:
                 self.sampler = ShardedSampler(len(dataset), batch_size, seed=seed, shuffle=shuffle)
         except ValueError as exc:

@@ -1,0 +1,134 @@
+"""Running a micro-batch schedule on one pipeline stage, with its neighbours."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..comm import FlatComm, Handle
+from .schedules import schedule
+
+__all__ = ["PipelineStage"]
+
+
+class PipelineStage:
+    """One stage of a pipeline: a stage model and its place in the ``pp`` group.
+
+    ``run(x, y)`` executes the named schedule for one optimizer step: micro-batch
+    ``m`` is rows ``[m * b, (m + 1) * b)`` of the local batch. Activations go
+    forward and their gradients back with ``Isend`` (completed at the end of the
+    step; a slot's buffers are not touched again before that) and a blocking
+    ``Recv`` when an action needs its input, which the schedules order so that
+    no stage waits on a stage that waits on it (``tests/test_schedules.py``
+    simulates it). Collective over ``pp``.
+
+    The stage model implements the stage API of
+    :class:`~mpishard.nn.sharding.ShardedSequential`.
+    """
+
+    def __init__(self, model: Any, pp: FlatComm, micro_batches: int, schedule_name: str) -> None:
+        self.model = model
+        self.pp = pp
+        self.micro_batches = micro_batches
+        self.schedule_name = schedule_name
+        self.stage = pp.rank
+        self.stages = pp.size
+        self.actions = schedule(schedule_name, pp.size, micro_batches, pp.rank)
+        self._recv: dict[tuple[str, int], Any] = {}
+        self._sends: list[Handle] = []
+        self.busy_seconds = 0.0     # time in the stage's own forward/backward
+        self.step_seconds = 0.0     # wall time of run()
+
+    # -- buffers ------------------------------------------------------------------
+    def _buffer(self, kind: str, micro: int, shape: tuple[int, ...]) -> Any:
+        key = (kind, micro)
+        buf = self._recv.get(key)
+        if buf is None or tuple(buf.shape) != shape:
+            buf = self.model.xp.empty(shape, dtype=self.model.dtype)
+            self._recv[key] = buf
+        return buf
+
+    # -- one step -------------------------------------------------------------------
+    def run(self, x: Any, y: Any, *, accumulate: bool = False,
+            context: tuple[int, int, int] | None = None) -> float:
+        """Forward and backward of all micro-batches; returns the mean loss of the
+        step on every stage (broadcast from the last). Gradients are the sum of
+        the micro-batches' (each a mean): the caller scales by ``1/micro_batches``.
+        ``context = (step, first row, global batch)`` feeds dropout's masks.
+        """
+        t_start = time.perf_counter()
+        model, m = self.model, self.micro_batches
+        rows = len(x)
+        if rows % m:
+            raise ValueError(f"local batch of {rows} rows does not split into {m} micro-batches")
+        b = rows // m
+        batch_shape = (b,) + tuple(x.shape[1:])
+        first, last = model.is_first_stage, model.is_last_stage
+        prev, nxt = self.stage - 1, self.stage + 1
+        total_loss = 0.0
+        backward_done = 0
+        for kind, i in self.actions:
+            if kind == "F":
+                if first:
+                    inp = x[i * b:(i + 1) * b]
+                else:
+                    inp = self._buffer("act", i, model.stage_input_shape(batch_shape))
+                    self.pp.Recv(inp, source=prev, tag=2 * i, slot=("act", i))
+                t0 = time.perf_counter()
+                if context is not None and hasattr(model, "set_batch_context"):
+                    step, start, global_size = context
+                    model.set_batch_context(step, start + i * b, global_size)
+                out = model.forward_stage(inp, micro=i)
+                if last:
+                    total_loss += model.loss(y[i * b:(i + 1) * b], micro=i)
+                self.busy_seconds += time.perf_counter() - t0
+                if not last:
+                    self._sends.append(self.pp.Isend(out, dest=nxt, tag=2 * i, slot=("out", i)))
+            else:
+                grad = None
+                if not last:
+                    grad = self._buffer("grad", i, model.stage_output_shape(batch_shape))
+                    self.pp.Recv(grad, source=nxt, tag=2 * i + 1, slot=("grad", i))
+                t0 = time.perf_counter()
+                dx = model.backward_stage(grad, micro=i,
+                                          accumulate=accumulate or backward_done > 0)
+                backward_done += 1
+                self.busy_seconds += time.perf_counter() - t0
+                if not first:
+                    self._sends.append(self.pp.Isend(dx, dest=prev, tag=2 * i + 1,
+                                                     slot=("dx", i)))
+        for handle in self._sends:
+            handle.wait()
+        self._sends.clear()
+        loss = self._share_loss(total_loss / m)
+        self.step_seconds += time.perf_counter() - t_start
+        return loss
+
+    def forward(self, x: Any) -> Any:
+        """Inference through the whole pipeline; the output on every stage.
+
+        Not on the training path (it allocates): for evaluation and ``predict``.
+        """
+        model = self.model
+        if model.is_first_stage:
+            h = x
+        else:
+            h = model.xp.empty(model.stage_input_shape(tuple(x.shape)), dtype=model.dtype)
+            self.pp.Recv(h, source=self.stage - 1, tag=0, slot="infer")
+        out = model.forward(h)   # a new array; the full logits on the last stage
+        if not model.is_last_stage:
+            self.pp.Isend(out, dest=self.stage + 1, tag=0, slot="infer-out").wait()
+        shape = self.pp.comm.bcast(tuple(out.shape) if model.is_last_stage else None,
+                                   root=self.stages - 1)
+        result = out if model.is_last_stage else model.xp.empty(shape, dtype=model.dtype)
+        self.pp.Bcast(result, root=self.stages - 1, slot="infer-result")
+        return result
+
+    def _share_loss(self, loss: float) -> float:
+        if self.stages == 1:
+            return loss
+        import numpy as np
+
+        buf = np.array([loss if self.model.is_last_stage else 0.0])
+        self.pp.Bcast(buf, root=self.stages - 1, slot="loss")
+        return float(buf[0])

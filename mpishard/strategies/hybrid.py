@@ -1,0 +1,233 @@
+"""3D parallelism: ``HybridShardedModel`` and ``HybridShardedOptimizer``.
+
+Data, tensor and pipeline parallelism at once, in the ``tp-dp-pp`` rank order of
+:mod:`mpishard.topology`. Each rank builds only its pipeline stage's layers, and
+of those only its tensor-parallel slice; the data-parallel group then runs DDP
+or ZeRO-2 on that shard exactly as it would on a whole model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from mpi4py import MPI
+
+from ..comm import FlatComm
+from ..config import ShardingConfiguration
+from ..errors import TopologyError, agree
+from ..flat import Range
+from ..nn.sharding import owned_ranges, tensor_shards
+from ..optim.clip import sum_of_squares
+from ..pipeline.executor import PipelineStage
+from ..pipeline.partition import balance_stages, check_boundaries
+from ..pipeline.schedules import SCHEDULES
+from .ddp import DDPOptimizer
+from .zero2 import ZeRO2Optimizer
+
+__all__ = ["HybridShardedModel", "HybridShardedOptimizer"]
+
+
+class HybridShardedModel:
+    """A model cut into pipeline stages and tensor-parallel slices.
+
+    Args:
+        model: a factory called as ``model(tp_comm=..., stage_layers=(start, stop))``
+            that builds top-level layers ``[start, stop)`` of the model, split over
+            the tensor group: :class:`~mpishard.nn.GPT` or
+            :class:`~mpishard.nn.ParallelMLP` with their other arguments bound,
+            e.g. ``functools.partial(GPT, 256, 64, 128, 4, 4)``. Every rank
+            builds only its own part; nothing is replicated.
+        config: the layout; built from the three sizes when not given.
+        pipeline_parallel_size, tensor_parallel_size, data_parallel_size: the
+            sizes (checked against ``config`` when both are given).
+        micro_batches: micro-batches per optimizer step in the pipeline.
+        schedule: ``"1f1b"`` (default) or ``"gpipe"``.
+        stages: stage boundaries (``[0, 3, 7]`` or ``[(0, 3), (3, 7), (7, 10)]``);
+            by default layers are balanced by parameter count.
+
+    It is a model (``params``, ``grads``, ``layout`` of this rank's shard;
+    ``forward``; ``forward_backward`` runs the whole pipeline schedule and
+    returns the step's mean loss on every rank) for the data-parallel group of
+    :class:`HybridShardedOptimizer`. Building is collective over ``config.comm``.
+
+    Raises:
+        TopologyError: sizes that do not divide the world or disagree with ``config``.
+        ValueError: more stages than layers, bad boundaries, an unknown schedule,
+            heads or widths not divisible by the tensor size (on every rank).
+    """
+
+    def __init__(self, model: Callable[..., Any], config: ShardingConfiguration | None = None,
+                 pipeline_parallel_size: int | None = None,
+                 tensor_parallel_size: int | None = None,
+                 data_parallel_size: int | None = None, *, micro_batches: int = 1,
+                 schedule: str = "1f1b", stages: list | None = None) -> None:
+        if config is None:
+            config = ShardingConfiguration(
+                MPI.COMM_WORLD, tensor_parallel_size=tensor_parallel_size or 1,
+                pipeline_parallel_size=pipeline_parallel_size or 1,
+                data_parallel_size=data_parallel_size or -1)
+        topo = config.topology
+        asked = {"pipeline_parallel_size": (pipeline_parallel_size, topo.pp),
+                 "tensor_parallel_size": (tensor_parallel_size, topo.tp),
+                 "data_parallel_size": (data_parallel_size, topo.dp)}
+        clash = [f"{k}={a} but the configuration has {b}" for k, (a, b) in asked.items()
+                 if a not in (None, -1, b)]
+        agree(config.comm, "; ".join(clash) or None, TopologyError)
+        problem = None
+        if schedule not in SCHEDULES:
+            problem = f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}"
+        elif not isinstance(micro_batches, int) or micro_batches < 1:
+            problem = f"micro_batches must be a positive integer, got {micro_batches!r}"
+        agree(config.comm, problem, ValueError)
+        self.config = config
+        groups = config.groups
+        self.tp = FlatComm(groups.tp, "tensor-parallel", timeout=config.timeout)
+        self.pp = FlatComm(groups.pp, "pipeline-parallel", timeout=config.timeout)
+        self.micro_batches = micro_batches
+        self.schedule = schedule
+
+        # A one-layer probe tells the layer count and sizes without building the
+        # model (collective over the tensor group, like every build).
+        probe = model(tp_comm=self.tp, stage_layers=(0, 1))
+        costs = [sum(math.prod(shape) for _, shape in layer.param_shapes())
+                 for layer in probe.all_layers]
+        ranges, problem = None, None
+        try:
+            ranges = (check_boundaries(stages, len(costs), topo.pp) if stages is not None
+                      else balance_stages(costs, topo.pp))
+        except ValueError as exc:
+            problem = str(exc)
+        agree(config.comm, problem, ValueError)
+        self.stage_ranges = ranges
+        mine = ranges[self.pp.rank]
+        self.stage_model = probe if mine == (0, 1) else model(tp_comm=self.tp, stage_layers=mine)
+        self.runner = PipelineStage(self.stage_model, self.pp, micro_batches, schedule)
+        self._context: tuple[int, int, int] | None = None
+
+    # -- the model protocol, for the data-parallel group ----------------------------
+    @property
+    def params(self) -> Any:
+        return self.stage_model.params
+
+    @property
+    def grads(self) -> Any:
+        return self.stage_model.grads
+
+    @property
+    def layout(self):
+        return self.stage_model.layout
+
+    @property
+    def xp(self):
+        return self.stage_model.xp
+
+    def forward(self, x: Any) -> Any:
+        """Predictions for ``x`` on every rank. Collective over the pipeline and
+        tensor groups."""
+        return self.runner.forward(x)
+
+    def forward_backward(self, x: Any, y: Any, *, accumulate: bool = False) -> float:
+        """One pass of the pipeline schedule over this replica's batch ``(x, y)``;
+        the mean loss on every rank. Gradients are the micro-batches' sum: the
+        optimizer divides by ``micro_batches``. Collective over pipeline and tensor
+        groups."""
+        context, self._context = self._context, None
+        return self.runner.run(x, y, accumulate=accumulate, context=context)
+
+    def set_batch_context(self, step: int, start: int, global_size: int) -> None:
+        self._context = (step, start, global_size)
+
+    def tensor_shards(self):
+        return tensor_shards(self.stage_model)
+
+    def describe(self) -> dict[str, Any]:
+        """Where this rank sits and what it holds."""
+        c = self.config.groups.coordinates
+        return {"dp_rank": c.dp, "tp_rank": c.tp, "pp_rank": c.pp,
+                "stage_layers": list(self.stage_model.stage_layers),
+                "stage_ranges": [list(r) for r in self.stage_ranges],
+                "parameters": int(self.params.size), "schedule": self.schedule,
+                "micro_batches": self.micro_batches}
+
+
+class HybridShardedOptimizer:
+    """The data-parallel side of 3D parallelism.
+
+    ``HybridShardedOptimizer(optimizer, config, data_parallel="ddp" | "zero2",
+    model=..., **options)`` synchronises gradients of a :class:`HybridShardedModel`
+    over the data-parallel group with DDP (Allreduce) or ZeRO-2 (Reduce_scatter,
+    sharded state, Allgatherv), takes the pipeline's micro-batches into account in
+    the gradient average, and computes the global gradient norm for clipping over
+    the whole job, counting every logical parameter once: split tensors by their
+    slices, tensors replicated over the tensor group on tensor rank 0 only, and
+    (DDP) replicas on data rank 0 only. The other options and every method are
+    those of :class:`~mpishard.strategies.DDPOptimizer`.
+    """
+
+    def __new__(cls, optimizer: Any, config: ShardingConfiguration | None = None, *,
+                data_parallel: str = "ddp", **kwargs: Any):
+        if cls is not HybridShardedOptimizer:
+            return super().__new__(cls)
+        impls = {"ddp": HybridDDPOptimizer, "zero2": HybridZeRO2Optimizer}
+        if data_parallel not in impls:
+            raise ValueError(f"data_parallel must be 'ddp' or 'zero2', got {data_parallel!r}")
+        return super().__new__(impls[data_parallel])
+
+
+class _HybridMixin:
+    """What the data-parallel strategies need to run on a model shard."""
+
+    _model_parallel = True
+
+    def __init__(self, optimizer: Any, config: ShardingConfiguration | None = None, *,
+                 data_parallel: str | None = None, model: Any = None, **kwargs: Any) -> None:
+        if config is None and model is not None:
+            config = model.config
+        super().__init__(optimizer, config, model=model, **kwargs)
+
+    def _setup(self) -> None:
+        super()._setup()
+        model = self.model
+        self._gradient_factor = 1.0 / getattr(model, "micro_batches", 1)
+        groups = self.config.groups
+        self._world = FlatComm(groups.world, "world", timeout=self.config.timeout)
+        owned = owned_ranges(model.layout, tensor_shards(model), groups.coordinates.tp)
+        self._norm_ranges = self._count_once(owned)
+
+    def _global_sum_of_squares(self) -> float:
+        vector = self._norm_vector()
+        local = sum(sum_of_squares(vector[r.start:r.stop]) for r in self._norm_ranges)
+        return self._world.allreduce_scalar(local)
+
+
+class HybridDDPOptimizer(_HybridMixin, DDPOptimizer, HybridShardedOptimizer):
+    """DDP over the data group of a :class:`HybridShardedModel`."""
+
+    strategy = "hybrid-ddp"
+
+    def _count_once(self, owned: list[Range]) -> list[Range]:
+        # Every data-parallel replica holds the same summed gradient: count one.
+        return owned if self.dp.rank == 0 else []
+
+    def _norm_vector(self) -> Any:
+        return self._grad_vector
+
+
+class HybridZeRO2Optimizer(_HybridMixin, ZeRO2Optimizer, HybridShardedOptimizer):
+    """ZeRO-2 over the data group of a :class:`HybridShardedModel`.
+
+    The pipeline accumulates the micro-batches' gradients in the stage's gradient
+    vector, so the stage gradient exists in full (as for any model without
+    backward hooks); the reduced gradient and the optimizer state are sharded.
+    """
+
+    strategy = "hybrid-zero2"
+
+    def _count_once(self, owned: list[Range]) -> list[Range]:
+        # The shards partition the stage's vector: intersect, in shard coordinates.
+        mine = [r.intersect(self.shard).shift(self.shard.start) for r in owned]
+        return [r for r in mine if len(r)]
+
+    def _norm_vector(self) -> Any:
+        return self.shard_grad
