@@ -393,6 +393,18 @@ class ShardedSequential:
         ws.state = _DONE
         return self._backward(dy, ws, accumulate)
 
+    def activation_bytes(self) -> int:
+        """Bytes held by the training workspaces of every micro-batch slot
+        (activations, their gradients and the loss's buffers)."""
+        total = 0
+        for (train, _), ws in self._workspaces.items():
+            if not train:
+                continue
+            arrays = [ws.x, ws.dy] + [a for d in ws.layers for a in d.values()]
+            arrays += list(ws.loss.values()) if ws.loss else []
+            total += sum(int(getattr(a, "nbytes", 0)) for a in arrays if a is not None)
+        return total
+
     # -- the BucketedModel protocol -------------------------------------------------------
 
     def bind_gradients(self, view: Callable[[str], Any]) -> None:

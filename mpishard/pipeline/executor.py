@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from ..comm import FlatComm, Handle
-from .schedules import schedule
+from .schedules import peak_in_flight, schedule
 
 __all__ = ["PipelineStage"]
 
@@ -34,8 +34,13 @@ class PipelineStage:
         self.stage = pp.rank
         self.stages = pp.size
         self.actions = schedule(schedule_name, pp.size, micro_batches, pp.rank)
+        # Micro-batch i uses slot i % slots: the micro-batches in flight on a stage
+        # are always a window of consecutive indices no wider than the schedule's
+        # peak (m for GPipe, p - stage for 1F1B), so this never collides, and it
+        # is what makes 1F1B hold fewer activations than GPipe.
+        self.slots = peak_in_flight(self.actions)
         self._recv: dict[tuple[str, int], Any] = {}
-        self._sends: list[Handle] = []
+        self._sends: dict[tuple[str, int], Handle] = {}
         self.busy_seconds = 0.0     # time in the stage's own forward/backward
         self.step_seconds = 0.0     # wall time of run()
 
@@ -68,41 +73,55 @@ class PipelineStage:
         total_loss = 0.0
         backward_done = 0
         for kind, i in self.actions:
+            k = i % self.slots
             if kind == "F":
                 if first:
                     inp = x[i * b:(i + 1) * b]
                 else:
-                    inp = self._buffer("act", i, model.stage_input_shape(batch_shape))
-                    self.pp.Recv(inp, source=prev, tag=2 * i, slot=("act", i))
+                    inp = self._buffer("act", k, model.stage_input_shape(batch_shape))
+                    self.pp.Recv(inp, source=prev, tag=2 * i, slot=("act", k))
+                self._wait_send("out", k)      # the slot's output buffer is rewritten
                 t0 = time.perf_counter()
                 if context is not None and hasattr(model, "set_batch_context"):
                     step, start, global_size = context
                     model.set_batch_context(step, start + i * b, global_size)
-                out = model.forward_stage(inp, micro=i)
+                out = model.forward_stage(inp, micro=k)
                 if last:
-                    total_loss += model.loss(y[i * b:(i + 1) * b], micro=i)
+                    total_loss += model.loss(y[i * b:(i + 1) * b], micro=k)
                 self.busy_seconds += time.perf_counter() - t0
                 if not last:
-                    self._sends.append(self.pp.Isend(out, dest=nxt, tag=2 * i, slot=("out", i)))
+                    self._sends[("out", k)] = self.pp.Isend(out, dest=nxt, tag=2 * i,
+                                                            slot=("out", k))
             else:
                 grad = None
                 if not last:
-                    grad = self._buffer("grad", i, model.stage_output_shape(batch_shape))
-                    self.pp.Recv(grad, source=nxt, tag=2 * i + 1, slot=("grad", i))
+                    grad = self._buffer("grad", k, model.stage_output_shape(batch_shape))
+                    self.pp.Recv(grad, source=nxt, tag=2 * i + 1, slot=("grad", k))
+                self._wait_send("dx", k)
                 t0 = time.perf_counter()
-                dx = model.backward_stage(grad, micro=i,
+                dx = model.backward_stage(grad, micro=k,
                                           accumulate=accumulate or backward_done > 0)
                 backward_done += 1
                 self.busy_seconds += time.perf_counter() - t0
                 if not first:
-                    self._sends.append(self.pp.Isend(dx, dest=prev, tag=2 * i + 1,
-                                                     slot=("dx", i)))
-        for handle in self._sends:
+                    self._sends[("dx", k)] = self.pp.Isend(dx, dest=prev, tag=2 * i + 1,
+                                                           slot=("dx", k))
+        for handle in self._sends.values():
             handle.wait()
         self._sends.clear()
         loss = self._share_loss(total_loss / m)
         self.step_seconds += time.perf_counter() - t_start
         return loss
+
+    def _wait_send(self, kind: str, slot: int) -> None:
+        handle = self._sends.pop((kind, slot), None)
+        if handle is not None:
+            handle.wait()
+
+    def activation_bytes(self) -> int:
+        """Activation memory of this stage: its slots' workspaces and receive buffers."""
+        held = sum(int(b.nbytes) for b in self._recv.values())
+        return held + int(getattr(self.model, "activation_bytes", lambda: 0)())
 
     def forward(self, x: Any) -> Any:
         """Inference through the whole pipeline; the output on every stage.
