@@ -66,6 +66,7 @@ class FlatComm:
         self.rank = comm.Get_rank()
         self._cuda_aware = cuda_aware_mpi
         self._staging: dict[Any, np.ndarray] = {}
+        self._scalar = np.zeros(1, dtype=np.float64)   # reused by allreduce_scalar
 
     # --- waiting ---------------------------------------------------------
     def wait_request(self, request: MPI.Request, what: str) -> None:
@@ -199,7 +200,8 @@ class FlatComm:
         """Reduce one Python float over the group. Collective over the group."""
         if self.size == 1:
             return value
-        buf = np.array([value], dtype=np.float64)
+        buf = self._scalar
+        buf[0] = value
         if self.timeout is not None:
             self.wait_request(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op), "Iallreduce")
         else:
