@@ -1,15 +1,15 @@
-"""mpishard: MPI-native DDP, ZeRO-2, tensor, pipeline and elastic training of flat-vector models."""
+"""mpishard: MPI-native DDP, ZeRO-2, tensor, pipeline and elastic training of flat-vector models.
+
+Importing the package is cheap and does not initialise MPI: the names below are
+loaded on first use (so the ``mpishard run`` agent, which starts ``mpirun``,
+never becomes an MPI process itself).
+"""
 
 from ._threads import limit_threads as _limit_threads
 
-_limit_threads()   # before NumPy is imported below: see mpishard/_threads.py
+_limit_threads()   # before anything imports NumPy: see mpishard/_threads.py
 
 from ._version import __version__  # noqa: E402
-from .config import ShardingConfiguration  # noqa: E402
-from .errors import CheckpointError, CommunicationError, MpiShardError, TopologyError  # noqa: E402
-from .flat import ParamLayout, Range  # noqa: E402
-from .groups import ProcessGroups  # noqa: E402
-from .topology import Topology  # noqa: E402
 
 __all__ = [
     "CheckpointError",
@@ -23,3 +23,23 @@ __all__ = [
     "TopologyError",
     "__version__",
 ]
+
+_WHERE = {
+    "CheckpointError": "errors", "CommunicationError": "errors", "MpiShardError": "errors",
+    "TopologyError": "errors", "ParamLayout": "flat", "Range": "flat",
+    "ProcessGroups": "groups", "ShardingConfiguration": "config", "Topology": "topology",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mpishard' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -34,6 +34,7 @@ class TrainResult:
     epochs: int = 0
     seconds: float = 0.0
     samples: int = 0
+    stopped: bool = False      # a callback stopped training before the last epoch
 
     @property
     def samples_per_second(self) -> float:
@@ -236,7 +237,9 @@ class DataParallelOptimizer:
         such as :class:`~mpishard.data.ArrayDataset`. Each global batch is split
         evenly across the data-parallel ranks and then into micro-batches; the
         shuffle of an epoch depends on ``(seed, epoch)`` only, so any world size
-        sees the same batches. ``callback(step, loss)`` runs after every step.
+        sees the same batches. ``callback(step, loss)`` runs after every step; if
+        it returns True, training stops there (``result.stopped``); it must
+        return the same on every rank.
 
         Raises:
             ValueError: ``batch_size`` does not split across the ranks and
@@ -269,8 +272,9 @@ class DataParallelOptimizer:
             result.losses.append(loss)
             result.steps += 1
             result.samples += batch_size
-            if callback is not None:
-                callback(self.step_count, loss)
+            if callback is not None and callback(self.step_count, loss):
+                result.stopped = True   # the callback asked to stop at this step boundary
+                break
         result.seconds = time.perf_counter() - t0
         result.epochs = epochs
         return result

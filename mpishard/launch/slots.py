@@ -1,0 +1,103 @@
+"""Where worker slots come from, and the elastic agent's sizing rules. Pure.
+
+A *slot* is room for one worker (one MPI rank). The agent asks a
+:class:`SlotSource` how many there are now; a source can be a file holding one
+integer (``--slots-file``, rewritten by whoever manages capacity), an Open MPI
+hostfile (``slots=`` summed), the Slurm allocation (``SLURM_NTASKS``), or a fixed
+number. ``stamp()`` changes whenever the source may have changed, so the agent
+re-reads it only then.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+__all__ = ["EXIT_RESIZE", "SlotSource", "next_size", "slots_from_hostfile"]
+
+#: Exit status of workers that checkpointed and stopped for a planned resize
+#: (BSD's EX_TEMPFAIL: "try again").
+EXIT_RESIZE = 75
+
+
+def slots_from_hostfile(text: str) -> int:
+    """Total ``slots=`` of an Open MPI hostfile (a host without ``slots=`` counts 1)."""
+    total = 0
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = re.search(r"\bslots\s*=\s*(\d+)", line)
+        total += int(match.group(1)) if match else 1
+    return total
+
+
+@dataclass
+class SlotSource:
+    """How many workers could run now.
+
+    Exactly one of ``slots_file``, ``hostfile`` or ``fixed`` is used; with none,
+    the Slurm allocation's ``SLURM_NTASKS`` if set.
+    """
+
+    slots_file: str | None = None
+    hostfile: str | None = None
+    fixed: int | None = None
+
+    def describe(self) -> str:
+        if self.slots_file:
+            return f"slots file {self.slots_file}"
+        if self.hostfile:
+            return f"hostfile {self.hostfile}"
+        if self.fixed is not None:
+            return f"{self.fixed} slots"
+        return "the Slurm allocation (SLURM_NTASKS)"
+
+    def available(self) -> int:
+        """Slots now. Raises ValueError for an unreadable source."""
+        if self.slots_file:
+            with open(self.slots_file) as f:
+                text = f.read().strip()
+            if not text.isdigit():
+                raise ValueError(f"{self.slots_file}: expecting one non-negative integer, "
+                                 f"got {text[:40]!r}")
+            return int(text)
+        if self.hostfile:
+            with open(self.hostfile) as f:
+                return slots_from_hostfile(f.read())
+        if self.fixed is not None:
+            return self.fixed
+        ntasks = os.environ.get("SLURM_NTASKS")
+        if ntasks and ntasks.isdigit():
+            return int(ntasks)
+        raise ValueError("no slot source: give --workers, --slots-file or --hostfile, "
+                         "or run inside a Slurm allocation")
+
+    def stamp(self) -> tuple:
+        """Changes when the source may have changed (file modification time)."""
+        path = self.slots_file or self.hostfile
+        if path is None:
+            return ()
+        try:
+            st = os.stat(path)
+        except OSError:
+            return ("missing",)
+        return (st.st_mtime_ns, st.st_size)
+
+
+def next_size(event: str, current: int, available: int, min_workers: int,
+              max_workers: int) -> int:
+    """The worker count after ``event``; below ``min_workers`` means stop.
+
+    * ``"start"``: as many as are available, up to the maximum.
+    * ``"failure"``: a worker died; its slot is taken as lost, so one fewer
+      than before (and no more than are available).
+    * ``"slots"``: the slot source changed; as many as are available now, up to
+      the maximum.
+    """
+    if event == "failure":
+        return min(current - 1, available)
+    if event in ("start", "slots"):
+        return min(available, max_workers)
+    raise ValueError(f"unknown event {event!r}")

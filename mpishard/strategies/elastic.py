@@ -1,0 +1,242 @@
+"""``ElasticOptimizer``: the worker side of elastic training.
+
+Wraps DDP or ZeRO-2. On start it resumes from the newest complete checkpoint in
+its folder, resharded to the current world size (the agent behind
+``mpishard run`` relaunches the workers at a new size after a failure or a
+change of slots). While training it checkpoints every ``checkpoint_every``
+steps, and on SIGUSR1 (a planned resize, sent by the agent) or SIGTERM (a Slurm
+preemption or time limit) it checkpoints at the next step boundary and exits
+with :data:`~mpishard.launch.slots.EXIT_RESIZE`, so the job goes on elsewhere
+or at another size from exactly there.
+
+Signals reach the ranks at different moments, so the decision to stop is agreed
+collectively after every step (one Allreduce of one number), and every rank
+stops after the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from ..config import ShardingConfiguration
+from ..errors import MpiShardError, agree
+from ..launch.slots import EXIT_RESIZE
+from .base import TrainResult
+from .ddp import DDPOptimizer
+from .zero2 import ZeRO2Optimizer
+
+__all__ = ["BATCH_POLICIES", "ElasticOptimizer"]
+
+#: ``fixed-global``: the global batch stays the same at any size (each worker's
+#: share adapts). ``scale-lr``: each worker keeps its batch, the global batch
+#: grows with the workers and the learning rate is scaled linearly with it.
+BATCH_POLICIES = ("fixed-global", "scale-lr")
+_STRATEGIES = {"ddp": DDPOptimizer, "zero2": ZeRO2Optimizer}
+
+
+class ElasticOptimizer:
+    """A data-parallel optimizer whose job may shrink and grow between restarts.
+
+    Args:
+        optimizer: the update rule (:mod:`mpishard.optim`).
+        config: the layout; the data-parallel size is the number of workers.
+        min_workers, max_workers: the allowed range; starting outside it is an
+            error on every rank.
+        strategy: ``"ddp"`` or ``"zero2"`` inside.
+        checkpoint_dir: where to checkpoint and resume from (needed to resume).
+        checkpoint_every: steps between periodic checkpoints (None: only on a
+            signal and at the end).
+        keep: checkpoints kept in the folder.
+        batch_policy: see :data:`BATCH_POLICIES`.
+        reference_workers: the worker count the base learning rate is meant for
+            (``scale-lr`` only): lr = base lr x workers / reference_workers.
+        exit_on_signal: after the checkpoint a signal asked for, exit the process
+            with ``EXIT_RESIZE`` (what the agent expects); False returns instead.
+        **options: passed to the inner strategy (bucket_mb, max_grad_norm, ...).
+
+    Raises:
+        MpiShardError: the current number of workers is outside
+            ``[min_workers, max_workers]``, on every rank.
+        ValueError: an unknown strategy or batch policy.
+    """
+
+    def __init__(self, optimizer: Any, config: ShardingConfiguration | None = None,
+                 min_workers: int = 1, max_workers: int = 1024, *, strategy: str = "ddp",
+                 checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
+                 keep: int = 3, batch_policy: str = "fixed-global",
+                 reference_workers: int = 1, exit_on_signal: bool = True,
+                 **options: Any) -> None:
+        config = config if config is not None else ShardingConfiguration()
+        problem = None
+        if strategy not in _STRATEGIES:
+            problem = f"strategy must be one of {', '.join(_STRATEGIES)}, got {strategy!r}"
+        elif batch_policy not in BATCH_POLICIES:
+            problem = f"batch_policy must be one of {', '.join(BATCH_POLICIES)}, got {batch_policy!r}"
+        elif not 1 <= min_workers <= max_workers:
+            problem = (f"expecting 1 <= min_workers <= max_workers, got {min_workers} "
+                       f"and {max_workers}")
+        elif checkpoint_every is not None and checkpoint_every < 1:
+            problem = f"checkpoint_every must be a positive integer, got {checkpoint_every}"
+        agree(config.comm, problem, ValueError)
+        workers = config.topology.dp
+        if not min_workers <= workers <= max_workers:
+            agree(config.comm, f"{workers} workers, outside the allowed range "
+                               f"[{min_workers}, {max_workers}] (min_workers, max_workers)",
+                  MpiShardError)
+        self.config = config
+        self.min_workers = min_workers
+        self.max_workers = max_workers
+        self.checkpoint_every = checkpoint_every
+        self.batch_policy = batch_policy
+        self.reference_workers = reference_workers
+        self.exit_on_signal = exit_on_signal
+        self.inner = _STRATEGIES[strategy](optimizer, config, **options)
+        self.base_lr = optimizer.lr
+        self.manager = None
+        if checkpoint_dir is not None:
+            from ..checkpoint import CheckpointManager
+
+            self.manager = CheckpointManager(checkpoint_dir, keep=keep)
+        self.resumed_from: str | None = None
+        self.recovery_seconds: float | None = None
+        self.stop_reason: str | None = None
+        self._pending: str | None = None
+        self._flag = np.zeros(1, dtype=np.int32)
+
+    # --- what the issue names ------------------------------------------------------
+    @property
+    def current_workers(self) -> int:
+        return self.config.topology.dp
+
+    @property
+    def can_scale_up(self) -> bool:
+        return self.current_workers < self.max_workers
+
+    @property
+    def can_scale_down(self) -> bool:
+        return self.current_workers > self.min_workers
+
+    @property
+    def step_count(self) -> int:
+        return self.inner.step_count
+
+    def request_stop(self, reason: str = "resize") -> None:
+        """Checkpoint and stop at the next step boundary (what SIGUSR1 does)."""
+        self._pending = reason
+
+    def checkpoint(self, model: Any) -> str | None:
+        """Save now, into ``checkpoint_dir``. Collective over the data group."""
+        if self.manager is None:
+            return None
+        return self.manager.save(model, self.inner)
+
+    # --- training -------------------------------------------------------------------
+    def global_batch(self, batch_size: int) -> int:
+        """The global batch at the current size under the batch policy."""
+        if self.batch_policy == "fixed-global":
+            return batch_size
+        return batch_size * self.current_workers
+
+    def optimize(self, model: Any, data: Any, epochs: int, batch_size: int, *,
+                 seed: int = 0, callback: Callable[[int, float], Any] | None = None
+                 ) -> TrainResult:
+        """Train until ``epochs`` epochs are done in total, resuming from the
+        newest checkpoint in ``checkpoint_dir`` when there is one.
+
+        ``batch_size``: the global batch (``fixed-global``) or each worker's
+        batch (``scale-lr``). Collective over the data group.
+        """
+        inner = self.inner
+        if inner.model is not model:
+            inner.attach(model)
+        if self.manager is not None:
+            info = self.manager.load_latest(model, inner)
+            self.resumed_from = info.path if info is not None else None
+        if self.batch_policy == "scale-lr":
+            inner.optimizer.lr = self.base_lr * self.current_workers / self.reference_workers
+        done = inner.sampler.state.epoch if inner.sampler is not None else 0
+        failed_at = os.environ.get("MPISHARD_ELASTIC_FAILED_AT")
+        first_step = [True]
+        last_saved = [inner.step_count]
+
+        def after_step(step: int, loss: float) -> bool:
+            if first_step[0]:
+                first_step[0] = False
+                if failed_at:
+                    self.recovery_seconds = time.time() - float(failed_at)
+            if callback is not None:
+                callback(step, loss)
+            if self.checkpoint_every and step % self.checkpoint_every == 0:
+                self.checkpoint(model)
+                last_saved[0] = step
+            self._flag[0] = {None: 0, "resize": 1, "preempt": 2}.get(self._pending, 1)
+            if self.current_workers > 1 or self.config.comm.Get_size() > 1:
+                self.config.comm.Allreduce(MPI.IN_PLACE, self._flag, op=MPI.MAX)
+            if self._flag[0]:
+                self.stop_reason = {1: "resize", 2: "preempt"}[int(self._flag[0])]
+                if last_saved[0] != step:
+                    self.checkpoint(model)
+                return True
+            return False
+
+        previous = self._install_handlers()
+        self._announce_ready()
+        try:
+            result = inner.optimize(model, data, epochs=max(epochs - done, 0),
+                                    batch_size=self.global_batch(batch_size), seed=seed,
+                                    callback=after_step)
+        finally:
+            self._restore_handlers(previous)
+        if result.stopped:
+            if self.exit_on_signal:
+                sys.stdout.flush()
+                sys.exit(EXIT_RESIZE)
+        elif self.manager is not None and last_saved[0] != inner.step_count:
+            self.checkpoint(model)   # the end of training is a checkpoint too
+        return result
+
+    # --- signals ----------------------------------------------------------------------
+    def _announce_ready(self) -> None:
+        """Tell the agent that every rank now handles SIGUSR1 (and SIGTERM)."""
+        path = os.environ.get("MPISHARD_ELASTIC_READY_FILE")
+        if not path:
+            return
+        self.config.comm.Barrier()
+        if self.config.comm.Get_rank() == 0:
+            with open(path, "w") as f:
+                f.write(str(os.getpid()))
+
+    def _install_handlers(self) -> dict:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+        for signum, reason in ((signal.SIGUSR1, "resize"), (signal.SIGTERM, "preempt")):
+            previous[signum] = signal.signal(signum, self._handler(reason))
+        return previous
+
+    def _handler(self, reason: str):
+        def handle(signum, frame) -> None:
+            self._pending = self._pending or reason
+        return handle
+
+    @staticmethod
+    def _restore_handlers(previous: dict) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    # --- the inner strategy's interface ----------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        # memory_report, verify_in_sync, train_step, backward, step, ... of the
+        # inner DDP or ZeRO-2 optimizer.
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)

@@ -1,0 +1,102 @@
+"""A training job for the elastic tests and benchmark (run by `mpishard run` or mpirun).
+
+Trains a small float64 MLP with ElasticOptimizer, checkpointing every --every
+steps. Rank 0 appends one JSON line per launch to --events: the size, the step
+it resumed from and the step it stopped at. Faults are injected on the first
+launch only (MPISHARD_ELASTIC_RESTARTS unset or 0):
+
+  --kill-at S        rank --kill-rank SIGKILLs itself after step S
+  --kill-in-save S   rank --kill-rank SIGKILLs itself as the checkpoint of step S begins
+  --stop-at S        every rank asks to stop after step S (a planned resize)
+  --slow-after-restart T   sleep T seconds per step on relaunches (test timing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import mpishard  # noqa: F401  (thread limits before NumPy)
+import numpy as np
+from mpi4py import MPI
+
+from mpishard import ShardingConfiguration
+from mpishard.nn import MLP
+from mpishard.optim import Adam
+from mpishard.strategies import ElasticOptimizer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--events", required=True)
+    p.add_argument("--out")
+    p.add_argument("--strategy", default="ddp")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch", type=int, default=12)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--min-workers", type=int, default=1)
+    p.add_argument("--max-workers", type=int, default=8)
+    p.add_argument("--kill-at", type=int)
+    p.add_argument("--kill-in-save", type=int)
+    p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--stop-at", type=int)
+    p.add_argument("--slow-after-restart", type=float, default=0.0)
+    args = p.parse_args()
+
+    comm = MPI.COMM_WORLD
+    first_launch = os.environ.get("MPISHARD_ELASTIC_RESTARTS", "0") == "0"
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((96, 5))
+    y = np.argmax(x @ rng.standard_normal((5, 3)), axis=1)
+    model = MLP([5, 16, 16, 3], activation="tanh", dtype=np.float64, seed=1)
+    opt = ElasticOptimizer(Adam(lr=3e-3), ShardingConfiguration(comm), args.min_workers,
+                           args.max_workers, strategy=args.strategy, checkpoint_dir=args.ckpt,
+                           checkpoint_every=args.every)
+    record = {"workers": comm.size, "restarts": int(os.environ.get("MPISHARD_ELASTIC_RESTARTS", 0))}
+
+    if args.kill_in_save is not None and first_launch:
+        save = opt.manager.save
+
+        def dying_save(model, optimizer=None, **kw):
+            if optimizer.step_count == args.kill_in_save and comm.rank == args.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return save(model, optimizer, **kw)
+
+        opt.manager.save = dying_save
+
+    def after_step(step: int, loss: float) -> None:
+        if "first_step_time" not in record:
+            record["first_step_time"] = time.time()
+            record["resumed_step"] = step - 1
+        if first_launch and step == args.kill_at and comm.rank == args.kill_rank:
+            with open(args.events + ".death", "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.stop_at:
+            opt.request_stop()
+        if not first_launch and args.slow_after_restart:
+            time.sleep(args.slow_after_restart)
+
+    def write(extra: dict) -> None:
+        if comm.rank == 0:
+            with open(args.events, "a") as f:
+                f.write(json.dumps({**record, **extra}) + "\n")
+
+    opt.exit_on_signal = False
+    result = opt.optimize(model, (x, y), epochs=args.epochs, batch_size=args.batch,
+                          callback=after_step)
+    write({"final_step": opt.step_count, "stopped": result.stopped,
+           "reason": opt.stop_reason, "resumed_from": opt.resumed_from,
+           "recovery_seconds": opt.recovery_seconds})
+    if result.stopped:
+        raise SystemExit(75)   # EXIT_RESIZE: checkpointed, relaunch me
+    if args.out and comm.rank == 0:
+        np.save(args.out, model.params)
+
+
+if __name__ == "__main__":
+    main()
