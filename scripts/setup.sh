@@ -43,10 +43,11 @@ fi
 py="$venv/bin/python"
 pipq() { "$py" -m pip install -q --disable-pip-version-check "$@"; }
 
-if ! "$py" -c "import mpi4py, numpy, pytest, pytest_mpi" 2>/dev/null; then
-  say "pip install mpi4py numpy pytest pytest-mpi"
+# tqdm: the progress bar of `mpishard train`; matplotlib: `mpishard plot` (PNG, Agg backend).
+if ! "$py" -c "import mpi4py, numpy, pytest, pytest_mpi, tqdm, matplotlib" 2>/dev/null; then
+  say "pip install mpi4py numpy pytest pytest-mpi tqdm matplotlib"
   pipq --upgrade pip setuptools wheel
-  pipq "mpi4py>=4.0,<5" "numpy>=1.24" "pytest>=8" "pytest-mpi>=0.6"
+  pipq "mpi4py>=4.0,<5" "numpy>=1.24" "pytest>=8" "pytest-mpi>=0.6" "tqdm>=4.60" "matplotlib>=3.6"
 fi
 
 # --- h5py built against the MPI-enabled HDF5 ------------------------------

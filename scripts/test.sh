@@ -12,6 +12,16 @@ bash scripts/setup.sh
 py=${MPISHARD_VENV:-$repo/.venv}/bin/python
 source scripts/mpienv.sh
 
+# The Slurm tests (tests/test_slurm.py) submit the batch scripts of slurm/ to a
+# real single-node Slurm: start one here if none answers (the first time this
+# installs Debian's slurm-wlm and munge). Where that fails they are skipped,
+# with the reason.
+if ! sinfo -h >/dev/null 2>&1; then
+  echo "== starting a single-node Slurm for the Slurm tests"
+  { MPISHARD_SLURM=1 bash scripts/setup.sh && bash scripts/slurm-local.sh start; } \
+    || echo "== Slurm could not be started: tests/test_slurm.py will say why it skips"
+fi
+
 echo "== tests without an MPI world"
 "$py" -m pytest -q -p no:cacheprovider --color=no -m "not mpi" "$@" tests
 
