@@ -1,4 +1,4 @@
-"""The ``mpishard`` command: ``info`` (and more subcommands as they arrive)."""
+"""The ``mpishard`` command: ``info``, ``train``, ``plot``, ``ckpt inspect`` and ``ckpt verify``."""
 
 from __future__ import annotations
 
@@ -72,12 +72,19 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .commands import add_plot_parser, add_train_parser
+
     parser = argparse.ArgumentParser(prog="mpishard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="print the MPI, HDF5 and GPU environment")
     info.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     info.set_defaults(func=_info)
-    _add_train_parser(sub)
+    add_train_parser(sub)
+    _add_ckpt_parser(sub)
+    add_plot_parser(sub)
+    from .launch.command import add_run_parser
+
+    add_run_parser(sub)
     return parser
 
 
@@ -85,89 +92,103 @@ class UsageError(Exception):
     """A problem with the command line: one line on rank 0, exit code 2."""
 
 
-def _add_train_parser(sub: argparse._SubParsersAction) -> None:
-    train = sub.add_parser("train", help="train a model on N ranks (mpirun -n N mpishard train)")
-    train.add_argument("--strategy", default="ddp", help="ddp or zero2 (default ddp)")
-    train.add_argument("--example", default="burgers",
-                       help="built-in dataset: burgers (surrogate of the 1-D Burgers equation)")
-    train.add_argument("--samples", type=int, default=8192, help="dataset size")
-    train.add_argument("--hidden", default="256,256", help="hidden layer widths")
-    train.add_argument("--activation", default="gelu", help="relu, gelu or tanh")
-    train.add_argument("--optimizer", default="adamw", help="sgd, adam or adamw")
-    train.add_argument("--lr", type=float, default=2e-3)
-    train.add_argument("--epochs", type=int, default=30)
-    train.add_argument("--batch-size", type=int, default=256, help="global batch size")
-    train.add_argument("--accumulation-steps", type=int, default=1)
-    train.add_argument("--dtype", default="float32", help="float32 or float64")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--metrics", default=None, help="write per-epoch JSON lines here")
-    train.set_defaults(func=_train)
+def _ckpt_inspect(args: argparse.Namespace) -> int:
+    from .checkpoint import inspect_checkpoint
+    from .errors import CheckpointError
 
-
-def _train(args: argparse.Namespace) -> int:
-    import numpy as np
-    from mpi4py import MPI
-
-    from .config import ShardingConfiguration
-    from .examples import burgers_dataset
-    from .nn import MLP
-    from .optim import get_optimizer
-    from .optim.schedules import CosineSchedule
-    from .strategies import DDPOptimizer, ZeRO2Optimizer
-    from .train import run_training
-
-    strategies = {"ddp": DDPOptimizer, "zero2": ZeRO2Optimizer}
-    comm = MPI.COMM_WORLD
-    if args.strategy not in strategies:
-        raise UsageError(f"unknown strategy {args.strategy!r}: choose one of {', '.join(strategies)}")
-    if args.example != "burgers":
-        raise UsageError(f"unknown example {args.example!r}: the built-in one is 'burgers'")
-    if args.dtype not in ("float32", "float64"):
-        raise UsageError(f"--dtype must be float32 or float64, got {args.dtype!r}")
     try:
-        hidden = [int(h) for h in args.hidden.split(",") if h]
-    except ValueError:
-        raise UsageError(f"--hidden must be comma-separated integers, got {args.hidden!r}") from None
-    if args.batch_size % (comm.size * args.accumulation_steps):
-        raise UsageError(
-            f"--batch-size {args.batch_size} does not split across {comm.size} ranks x "
-            f"{args.accumulation_steps} micro-batches; use a multiple of "
-            f"{comm.size * args.accumulation_steps}")
-    dtype = np.dtype(args.dtype)
-    x, y = burgers_dataset(args.samples + 1024, seed=args.seed, dtype=dtype)
-    train_data, validation = (x[:-1024], y[:-1024]), (x[-1024:], y[-1024:])
-    model = MLP([x.shape[1], *hidden, y.shape[1]], activation=args.activation, loss="mse",
-                dtype=dtype, seed=args.seed)
-    steps = args.epochs * (args.samples // args.batch_size)
-    try:
-        optimizer = get_optimizer(args.optimizer, lr=args.lr)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    strategy = strategies[args.strategy](
-        optimizer, ShardingConfiguration(comm), model=model,
-        accumulation_steps=args.accumulation_steps,
-        schedule=CosineSchedule(total_steps=steps, warmup_steps=min(100, steps // 10)))
-    rank0 = comm.rank == 0
-    if rank0:
-        print(f"mpishard train: {args.strategy} on {comm.size} rank(s), MLP {model.params.size:,} "
-              f"parameters, Burgers surrogate, {args.samples} samples, batch {args.batch_size}")
-    from .train import evaluate
+        report = inspect_checkpoint(args.file, verify=not args.no_verify)
+    except (CheckpointError, FileNotFoundError) as exc:
+        print(f"mpishard ckpt inspect: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report))
+        return 0 if report["ok"] else 1
+    lay, data = report["layout"], report["data"]
+    rows = [
+        ("file", f"{report['path']} ({report['bytes']} bytes)"),
+        ("format", f"mpishard-checkpoint v{report['format_version']}, kind {report['kind']}, "
+                   f"written by mpishard {report['library_version']} at {report['created']}"),
+        ("step", f"{report['step']} (epoch {report['epoch']})"),
+        ("layout", f"world {lay['world_size']}: dp {lay['dp']}, tp {lay['tp']}, pp {lay['pp']}, "
+                   f"strategy {lay['strategy']}"),
+        ("parameters", f"{report['parameters']} {report['dtype']}"),
+    ]
+    if report["optimizer"] is not None:
+        hyper = {k: v for k, v in report["optimizer"].items() if k != "name"}
+        rows.append(("optimizer", f"{report['optimizer']['name']} {json.dumps(hyper)}; state "
+                                  f"{', '.join(report['state_names']) or '(none)'}"))
+    if report["schedule"] is not None or report["lr"] is not None:
+        rows.append(("schedule", f"{json.dumps(report['schedule'])}, lr {report['lr']} at "
+                                 f"step {report['step']}"))
+    if data is not None:
+        rows.append(("data", f"epoch {data['epoch']}, {data['samples_consumed']} of "
+                             f"{data['num_samples']} samples consumed, batch {data['batch_size']}, "
+                             f"seed {data['seed']}, shuffle {data['shuffle']}"))
+    if report["architecture"] is not None:
+        layers = ", ".join(layer["type"] for layer in report["architecture"]["layers"])
+        rows.append(("architecture", f"{report['architecture']['class']}: {layers}"))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    tensors = report["tensors"]
+    name_w = max((len(t["path"]) for t in tensors), default=4)
+    shape_w = max((len(str(tuple(t["shape"]))) for t in tensors), default=5)
+    print(f"tensors ({len(tensors)}):")
+    for t in tensors:
+        status = {True: "ok", False: "CHECKSUM MISMATCH", None: "not verified"}[t["verified"]]
+        print(f"  {t['path']:<{name_w}}  {str(tuple(t['shape'])):<{shape_w}}  {t['dtype']:<7}  "
+              f"{t['checksum'][0]}:{t['checksum'][1]}  {status}")
+    bad = sum(t["verified"] is False for t in tensors)
+    if args.no_verify:
+        print("checksums: not verified (--no-verify)")
+    else:
+        print(f"checksums: {len(tensors) - bad} of {len(tensors)} verified"
+              + (f", {bad} MISMATCHED" if bad else ""))
+    return 0 if report["ok"] else 1
 
-    start_loss = evaluate(model, *validation)
-    result = run_training(strategy, model, train_data, args.epochs, args.batch_size,
-                          seed=args.seed, metrics_path=args.metrics, validation=validation)
-    final_loss = evaluate(model, *validation)
-    strategy.verify_in_sync()
-    memory = comm.gather(strategy.memory_report()["total"], root=0)
-    if rank0:
-        print(f"done: validation loss {start_loss:.4f} -> {final_loss:.5f} "
-              f"({start_loss / final_loss:.0f}x lower) in {result.seconds:.1f} s, "
-              f"{result.samples_per_second:,.0f} samples/s")
-        print("memory per rank (MiB): " + ", ".join(f"{m / 2**20:.1f}" for m in memory))
-    return 0
+
+def _ckpt_verify(args: argparse.Namespace) -> int:
+    from .checkpoint import verify_checkpoint
+    from .errors import CheckpointError
+
+    failed = 0
+    for path in args.files:
+        try:
+            info = verify_checkpoint(path)
+        except (CheckpointError, FileNotFoundError) as exc:
+            failed += 1
+            print(f"FAIL  {exc}")
+            continue
+        print(f"OK    {info.path}: step {info.step}, {len(info.tensors)} tensors, "
+              f"checksums verified")
+    return 1 if failed else 0
+
+
+def _add_ckpt_parser(sub: argparse._SubParsersAction) -> None:
+    """``mpishard ckpt inspect FILE`` and ``mpishard ckpt verify FILE...``: one process,
+    no MPI job needed."""
+    ckpt = sub.add_parser("ckpt", help="look into checkpoint files")
+    actions = ckpt.add_subparsers(dest="action", required=True)
+    inspect = actions.add_parser("inspect", help="list what a checkpoint holds and verify it")
+    inspect.add_argument("file")
+    inspect.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    inspect.add_argument("--no-verify", action="store_true",
+                         help="do not read the data to recompute the checksums")
+    inspect.set_defaults(func=_ckpt_inspect)
+    verify = actions.add_parser("verify", help="check files completely; exit 1 if any is bad")
+    verify.add_argument("files", nargs="+", metavar="FILE")
+    verify.set_defaults(func=_ckpt_verify)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        # train parses its own flags: a bad one is one line on rank 0, not
+        # argparse's usage text from every rank.
+        from .commands import train_main
+
+        return train_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,98 @@
+"""Agreeing on an error across ranks, and choosing how a file is written."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from ..errors import CheckpointError
+
+__all__ = ["DRIVER_ENV", "agree_error", "resolve_driver"]
+
+#: Environment variable that forces the driver: ``mpio`` or ``serial``.
+DRIVER_ENV = "MPISHARD_CHECKPOINT_DRIVER"
+
+# Exceptions that travel between ranks as themselves; anything else arrives as
+# a CheckpointError carrying the original type's name.
+_PASSED = {cls.__name__: cls for cls in (CheckpointError, FileNotFoundError, ValueError,
+                                         TypeError)}
+_warned: list[str] = []
+
+
+def agree_error(comm: Any, error: BaseException | None) -> None:
+    """Raise on every rank of ``comm`` the error of the lowest rank that has one.
+
+    Every rank passes its own finding (``None`` when all is well). The message is
+    the failing rank's, unchanged (messages name the file; a rank-local failure
+    says its rank itself); its type is kept for :class:`CheckpointError`,
+    ``FileNotFoundError``, ``ValueError`` and ``TypeError`` and becomes
+    :class:`CheckpointError` otherwise, on every rank alike. Collective over ``comm``.
+    """
+    size = 1 if comm is None else comm.Get_size()
+    if size == 1:
+        if error is not None:
+            raise _portable(error) from error
+        return
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    first = comm.allreduce(rank if error is not None else size, op=MPI.MIN)
+    if first == size:
+        return
+    portable = _portable(error) if rank == first else None
+    kind, text = comm.bcast((type(portable).__name__, str(portable)) if rank == first else None,
+                            root=first)
+    if rank == first:
+        raise portable from error
+    raise _PASSED[kind](text)
+
+
+def _portable(error: BaseException) -> Exception:
+    if type(error).__name__ in _PASSED and type(error) is _PASSED[type(error).__name__]:
+        return error  # type: ignore[return-value]
+    return CheckpointError(f"{type(error).__name__}: {error}")
+
+
+def resolve_driver(driver: str, size: int, rank: int = 0) -> str:
+    """``"mpio"`` (parallel HDF5) or ``"serial"`` (ranks send to rank 0, which writes).
+
+    ``driver`` is ``"auto"``, ``"mpio"`` or ``"serial"``; with ``"auto"`` the
+    environment variable :data:`DRIVER_ENV` decides if set, else h5py's build.
+    One process always writes alone (``"serial"``: no MPI-IO needed). Falling back
+    because h5py lacks MPI, or being forced to, prints one line on stderr once.
+
+    Raises:
+        ValueError: an unknown driver, or ``"mpio"`` with an h5py built without MPI.
+    """
+    import h5py
+
+    chosen = driver
+    if driver == "auto":
+        chosen = os.environ.get(DRIVER_ENV, "").strip().lower() or "auto"
+    if chosen not in ("auto", "mpio", "serial"):
+        source = DRIVER_ENV if driver == "auto" else "driver"
+        raise ValueError(f"{source} must be 'auto', 'mpio' or 'serial', got {chosen!r}")
+    has_mpi = bool(h5py.get_config().mpi)
+    if chosen == "mpio" and not has_mpi:
+        raise ValueError("driver 'mpio' needs h5py built with MPI; this h5py has no MPI support")
+    if size == 1:
+        return "serial"
+    if chosen == "auto" and not has_mpi:
+        _warn_once("h5py was built without MPI: checkpoints are written through rank 0 "
+                   "(same format, less bandwidth)", rank)
+        return "serial"
+    if chosen == "serial":
+        _warn_once(f"checkpoints are written through rank 0 ({DRIVER_ENV} or "
+                   f"driver='serial')", rank)
+    return "serial" if chosen == "serial" else "mpio"
+
+
+def _warn_once(text: str, rank: int) -> None:
+    """One line on stderr, from rank 0 of the writing communicator, once per process."""
+    if text in _warned:
+        return
+    _warned.append(text)
+    if rank == 0:
+        sys.stderr.write(f"mpishard: warning: {text}\n")
+        sys.stderr.flush()

@@ -1,0 +1,533 @@
+"""Writing logical tensors from many ranks into one sealed HDF5 file, atomically.
+
+The unit every strategy speaks is a :class:`Piece`: a hyperslab (block) of one
+logical tensor that this rank holds and is the designated writer of. Replicated
+data must be given by exactly one rank (the coverage check below catches a
+gap or an overlap). A data-parallel rank gives its share of the flat vectors
+(:mod:`~mpishard.checkpoint.strategy`); a tensor-parallel rank will give its
+slice of a split weight; a pipeline stage only its layers' tensors. Every rank
+declares the :class:`LogicalTensor` s it knows; the union, in one order agreed
+by all, is what the file holds, because HDF5 creates datasets collectively.
+
+Order of a save (collective over ``comm``):
+
+1. agree on the datasets (``allgather`` of the declarations) and check that
+   the pieces cover each dataset exactly once (``Allreduce`` of counts);
+2. rank 0 picks a temporary name ``<path>.tmp-<random>`` next to ``path``;
+3. ``mpio``: all ranks create the file and every dataset with the same
+   arguments in the same order, then write their pieces with independent
+   I/O. ``serial`` (h5py without MPI): ranks send their pieces to rank 0
+   (buffer messages, double-buffered), which writes them;
+4. meanwhile a helper thread checksums the rank's pieces (HDF5 releases the
+   GIL during I/O); one ``Allreduce`` adds the partial checksums;
+5. checksums and attributes are written, the file is closed by all;
+6. rank 0 seals the user block, fsyncs, renames to ``path`` and fsyncs the
+   folder. A rank that dies before this leaves only the temporary file behind.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import CheckpointError
+from .blocks import Block, block_shape, block_size, split_block
+from .checksum import Checksum, block_checksum
+from .collective import agree_error, resolve_driver
+from .container import seal_file, seal_image, userblock_size_for
+
+__all__ = [
+    "CHUNK_BYTES",
+    "LogicalTensor",
+    "Piece",
+    "TEMP_MARK",
+    "write_checkpoint_file",
+    "write_image",
+]
+
+#: Pieces are written, sent and checksummed in chunks of at most this many bytes.
+CHUNK_BYTES = 16 << 20
+#: Temporary files are ``<final name>.tmp-<hex>``.
+TEMP_MARK = ".tmp-"
+#: HDF5 file format bounds: 1.8 object headers (dense attributes for long JSON),
+#: nothing newer than 1.10 readers understand.
+LIBVER = ("v108", "v110")
+_ALIGN_THRESHOLD = 64 << 10   # datasets of 64 KiB and more start on a 4 KiB boundary
+_ALIGN = 4096
+_TAG = 7301
+
+
+@dataclass(frozen=True)
+class LogicalTensor:
+    """A dataset: ``group`` (``"params"``, ``"optimizer/exp_avg"``), ``name``, its
+    logical ``shape`` and ``dtype`` (a numpy dtype string such as ``"<f8"``);
+    ``key`` orders tensors inside their group (the flat-vector offset)."""
+
+    group: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    key: int
+
+    @property
+    def path(self) -> str:
+        return f"{self.group}/{self.name}"
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``data`` (a host array of the block's shape) is ``tensor[block]``."""
+
+    tensor: LogicalTensor
+    block: Block
+    data: np.ndarray
+
+
+def _split(piece: Piece, max_bytes: int) -> list[Piece]:
+    itemsize = np.dtype(piece.tensor.dtype).itemsize
+    parts = split_block(piece.block, max(1, max_bytes // itemsize))
+    if len(parts) == 1:
+        return [piece]
+    out = []
+    for part in parts:
+        local = tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(part, piece.block))
+        out.append(Piece(piece.tensor, part, piece.data[local]))
+    return out
+
+
+def _piece_problem(p: Piece) -> str | None:
+    t = p.tensor
+    if len(p.block) != len(t.shape) or any(
+            not (0 <= s.start <= s.stop <= n) for s, n in zip(p.block, t.shape)):
+        return f"a piece of {t.path} lies outside its shape {t.shape}: {p.block}"
+    if tuple(p.data.shape) != block_shape(p.block):
+        return f"a piece of {t.path} holds shape {p.data.shape}, its block {block_shape(p.block)}"
+    if np.dtype(p.data.dtype).newbyteorder("<").str != t.dtype:
+        return f"a piece of {t.path} holds {p.data.dtype}, the tensor is {np.dtype(t.dtype).name}"
+    if not isinstance(p.data, np.ndarray):
+        return f"a piece of {t.path} is not a host (NumPy) array"
+    return None
+
+
+def _union(every: Sequence[Sequence[tuple]]) -> tuple[list[LogicalTensor], str | None]:
+    """The datasets all ranks declared, in an order every rank computes alike:
+    groups in order of first appearance (rank 0 first), then by key and name."""
+    groups: dict[str, int] = {}
+    found: dict[str, LogicalTensor] = {}
+    for rank, decls in enumerate(every):
+        for group, name, shape, dtype, key in decls:
+            t = LogicalTensor(group, name, tuple(shape), dtype, key)
+            groups.setdefault(group, len(groups))
+            old = found.setdefault(t.path, t)
+            if old != t:
+                return [], (f"ranks disagree on tensor {t.path}: {old.shape} {old.dtype} "
+                            f"key {old.key} against {t.shape} {t.dtype} key {t.key} (rank {rank})")
+    ordered = sorted(found.values(), key=lambda t: (groups[t.group], t.key, t.name))
+    return ordered, None
+
+
+def _checksums(pieces: Sequence[Piece], index: dict[str, int], count: int) -> list[Checksum]:
+    sums = [Checksum()] * count
+    for p in pieces:
+        i = index[p.tensor.path]
+        sums[i] = sums[i] + block_checksum(p.data, p.block, p.tensor.shape)
+    return sums
+
+
+def _set_attrs(obj: Any, attrs: dict[str, Any]) -> None:
+    for key in sorted(attrs):
+        obj.attrs[key] = attrs[key]
+
+
+def _plan(final: str, tensors: Sequence[LogicalTensor], pieces: Sequence[Piece],
+          every: Sequence[Sequence[tuple]],
+          ) -> tuple[list[LogicalTensor], dict[str, int], str | None]:
+    """The agreed datasets, their index, and this rank's problem with its pieces."""
+    ordered, problem = _union(every)
+    index = {t.path: i for i, t in enumerate(ordered)}
+    if problem is None:
+        from .format import check_tensor_name
+
+        problem = next(filter(None, (check_tensor_name(t.name) for t in ordered)), None)
+    for p in pieces:
+        if problem is None and p.tensor.path not in index:
+            problem = f"a piece of {p.tensor.path}, which no rank declared"
+        problem = problem or _piece_problem(p)
+    return ordered, index, f"{final}: {problem}" if problem else None
+
+
+def _with_order(attrs: dict[str, dict[str, Any]], ordered: Sequence[LogicalTensor],
+                groups: Sequence[str]) -> dict[str, dict[str, Any]]:
+    out = {g: dict(a) for g, a in attrs.items()}
+    for g in groups:
+        out.setdefault(g, {})["order"] = json.dumps([t.name for t in ordered if t.group == g])
+    return out
+
+
+def _declarations(tensors: Sequence[LogicalTensor]) -> list[tuple]:
+    return [(t.group, t.name, tuple(t.shape), t.dtype, t.key) for t in tensors]
+
+
+def write_image(tensors: Sequence[LogicalTensor], pieces: Sequence[Piece],
+                attrs: dict[str, dict[str, Any]], name: str = "<bytes>",
+                order_groups: Sequence[str] = ()) -> bytes:
+    """The sealed checkpoint file of :func:`write_checkpoint_file`, built in memory
+    by this process alone (``pieces`` must cover every tensor).
+
+    Raises:
+        CheckpointError: a name that cannot be stored, pieces that do not cover
+            the tensors exactly once.
+    """
+    import h5py
+
+    ordered, index, problem = _plan(name, tensors, pieces, [_declarations(tensors)])
+    if problem:
+        raise CheckpointError(problem)
+    counts = [0] * len(ordered)
+    for p in pieces:
+        counts[index[p.tensor.path]] += block_size(p.block)
+    bad = [t.path for t, c in zip(ordered, counts) if c != t.size]
+    if bad:
+        raise CheckpointError(f"{name}: the pieces do not cover {bad[:3]} exactly once")
+    attrs = _with_order(attrs, ordered, order_groups)
+    ub = userblock_size_for(len(ordered))
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w", userblock_size=ub, libver=LIBVER,
+                   alignment_threshold=_ALIGN_THRESHOLD, alignment_interval=_ALIGN) as f:
+        dsets = _create(f, ordered, attrs)
+        for p in pieces:
+            _write_block(dsets[p.tensor.path], p.block, p.data)
+        table = np.array([c.to_array() for c in _checksums(pieces, index, len(ordered))],
+                         dtype=np.uint64).reshape(len(ordered), 2)
+        extents = _annotate(ordered, dsets, table)
+    image = bytearray(buffer.getbuffer())
+    seal_image(image, ub, extents)
+    return bytes(image)
+
+
+def write_checkpoint_file(path: str | os.PathLike, comm: Any, tensors: Sequence[LogicalTensor],
+                          pieces: Sequence[Piece], attrs: dict[str, dict[str, Any]], *,
+                          driver: str = "auto", durable: bool = True,
+                          order_groups: Sequence[str] = ()) -> str:
+    """Write a sealed checkpoint file at ``path``, atomically. Collective over ``comm``
+    (``None``: this process alone).
+
+    ``tensors`` are the datasets this rank knows of, ``pieces`` what it writes;
+    ``attrs`` maps a group (``"/"``, ``"params"``, ``"optimizer"``, ...) to its
+    attributes, taken from rank 0. Each group of ``order_groups`` gets an attribute
+    ``order``: the JSON list of its tensor names in the agreed order (which only
+    all ranks together know, when pipeline stages hold different tensors).
+    Returns the absolute path written.
+
+    Raises:
+        CheckpointError: on every rank, when the ranks disagree on the datasets,
+            the pieces leave a gap or overlap, the folder is missing or not
+            writable, or writing fails on any rank (the temporary file is removed
+            and no file appears at ``path``).
+        ValueError: an unknown ``driver``.
+    """
+    final = os.path.abspath(os.fspath(path))
+    size = 1 if comm is None else comm.Get_size()
+    rank = 0 if comm is None else comm.Get_rank()
+    mode = resolve_driver(driver, size, rank)
+    private = comm.Dup() if comm is not None else None   # our tags never meet the caller's
+    try:
+        return _write(final, private, rank, size, mode, tensors, pieces, attrs, durable,
+                      tuple(order_groups))
+    finally:
+        if private is not None:
+            private.Free()
+
+
+def _write(final: str, comm: Any, rank: int, size: int, mode: str,
+           tensors: Sequence[LogicalTensor], pieces: Sequence[Piece],
+           attrs: dict[str, dict[str, Any]], durable: bool, order_groups: tuple) -> str:
+    from mpi4py import MPI
+
+    # 1. the datasets, and whether the pieces fit them
+    mine = _declarations(tensors)
+    every = comm.allgather(mine) if size > 1 else [mine]
+    ordered, index, problem = _plan(final, tensors, pieces, every)
+    agree_error(comm, CheckpointError(problem) if problem else None)
+    counts = np.zeros(len(ordered), dtype=np.int64)
+    for p in pieces:
+        counts[index[p.tensor.path]] += block_size(p.block)
+    if size > 1:
+        comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
+    bad = [(t.path, int(c), t.size) for t, c in zip(ordered, counts) if c != t.size]
+    if bad:   # the same on every rank after the Allreduce
+        what = ", ".join(f"{p} ({c} of {n} elements)" for p, c, n in bad[:3])
+        raise CheckpointError(f"{final}: the pieces do not cover each dataset exactly once: "
+                              f"{what}{' ...' if len(bad) > 3 else ''}")
+    chunks = [c for p in pieces for c in _split(p, CHUNK_BYTES)]
+
+    # 2. a temporary name, from rank 0, in a folder that exists
+    tmp, error = None, None
+    if rank == 0:
+        folder = os.path.dirname(final)
+        if not os.path.isdir(folder):
+            error = CheckpointError(f"{final}: folder {folder} does not exist")
+        elif not os.access(folder, os.W_OK | os.X_OK):
+            error = CheckpointError(f"{final}: folder {folder} is not writable")
+        tmp = f"{final}{TEMP_MARK}{secrets.token_hex(4)}"
+    agree_error(comm, error)
+    if size > 1:
+        tmp = comm.bcast(tmp, root=0)
+        attrs = comm.bcast(attrs if rank == 0 else None, root=0)
+    attrs = _with_order(attrs, ordered, order_groups)
+
+    # 3-5. create, write, checksum, close
+    ub = userblock_size_for(len(ordered))
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpishard-checksum")
+    try:
+        sums = pool.submit(_checksums, chunks, index, len(ordered))
+        if mode == "mpio":
+            extents, error = _write_mpio(tmp, comm, ub, ordered, chunks, attrs, sums, durable)
+        else:
+            extents, error = _write_serial(tmp, comm, rank, size, ub, ordered, chunks, attrs,
+                                           sums, durable)
+    finally:
+        pool.shutdown(wait=True)
+
+    # 6. seal, rename
+    if error is None and rank == 0:
+        try:
+            seal_file(tmp, ub, extents, durable=durable)
+            os.replace(tmp, final)
+            if durable:
+                _fsync_folder(os.path.dirname(final))
+        except Exception as exc:   # OSError mostly; never let rank 0 fail alone
+            error = CheckpointError(f"{final}: sealing or renaming failed: {exc}")
+    if error is not None and rank == 0:
+        _remove_quietly(tmp)
+    agree_error(comm, error)
+    return final
+
+
+def _combined(comm: Any, sums: Any, count: int) -> np.ndarray:
+    """The rank's partial checksums added over ``comm``: ``(count, 2)`` uint64."""
+    from mpi4py import MPI
+
+    table = np.array([s.to_array() for s in sums.result()], dtype=np.uint64).reshape(count, 2)
+    if comm is not None and comm.Get_size() > 1:
+        # MPI_SUM on unsigned 64-bit integers wraps modulo 2**64, as the checksum does.
+        comm.Allreduce(MPI.IN_PLACE, table, op=MPI.SUM)
+    return table
+
+
+def _create(f: Any, ordered: Sequence[LogicalTensor], attrs: dict[str, dict[str, Any]]) -> dict:
+    """Groups, datasets and attributes, in one order (collective under mpio)."""
+    groups = sorted({t.group for t in ordered} | {g for g in attrs if g != "/"})
+    for g in groups:
+        f.require_group(g)
+    dsets = {}
+    for t in ordered:
+        # No fill: every element is written by some rank, and filling would
+        # write the whole file twice.
+        dsets[t.path] = f.create_dataset(t.path, shape=t.shape, dtype=np.dtype(t.dtype),
+                                         fill_time="never")
+    for g in sorted(attrs):
+        _set_attrs(f if g == "/" else f[g], attrs[g])
+    return dsets
+
+
+def _annotate(ordered: Sequence[LogicalTensor], dsets: dict,
+              table: np.ndarray) -> list[tuple[int, int]]:
+    """Write the checksum attributes; return the raw-data extents (for the seal).
+    Collective under ``mpio`` (every rank writes the same attributes)."""
+    extents = []
+    for t, row in zip(ordered, table):
+        d = dsets[t.path]
+        d.attrs["checksum"] = row
+        if t.size:
+            extents.append((int(d.id.get_offset()), int(d.id.get_storage_size())))
+    return extents
+
+
+def _write_block(d: Any, block: Block, data: np.ndarray) -> None:
+    d.write_direct(np.ascontiguousarray(data), dest_sel=block if block else None)
+
+
+def _write_mpio(tmp: str, comm: Any, ub: int, ordered: Sequence[LogicalTensor],
+                chunks: Sequence[Piece], attrs: dict, sums: Any, durable: bool):
+    import h5py
+
+    error = None
+    try:
+        f = h5py.File(tmp, "w", driver="mpio", comm=comm, userblock_size=ub, libver=LIBVER,
+                      alignment_threshold=_ALIGN_THRESHOLD, alignment_interval=_ALIGN)
+    except Exception as exc:
+        error = CheckpointError(f"{tmp}: cannot create on rank {comm.Get_rank()}: {exc}")
+    agree_error(comm, error)
+    extents: list[tuple[int, int]] = []
+    writeback = _Writeback(tmp, durable)
+    try:
+        dsets = _create(f, ordered, attrs)
+        for c in chunks:   # independent I/O: no rank waits for another here
+            if error is None:
+                try:
+                    _write_block(dsets[c.tensor.path], c.block, c.data)
+                    writeback.wrote(c.data.nbytes)
+                except Exception as exc:
+                    error = CheckpointError(f"{tmp}: writing {c.tensor.path} failed on rank "
+                                            f"{comm.Get_rank()}: {exc}")
+        extents = _annotate(ordered, dsets, _combined(comm, sums, len(ordered)))
+    finally:
+        writeback.close()
+        f.close()
+    return extents, error
+
+
+def _write_serial(tmp: str, comm: Any, rank: int, size: int, ub: int,
+                  ordered: Sequence[LogicalTensor], chunks: Sequence[Piece], attrs: dict,
+                  sums: Any, durable: bool):
+    descriptors = [(c.tensor.path, tuple((s.start, s.stop) for s in c.block)) for c in chunks]
+    every = comm.gather(descriptors, root=0) if size > 1 else [descriptors]
+    if rank != 0:
+        for c in chunks:
+            comm.Send(np.ascontiguousarray(c.data), dest=0, tag=_TAG)
+        _combined(comm, sums, len(ordered))
+        return [], None
+    import h5py
+
+    error = None
+    try:
+        f = h5py.File(tmp, "w", userblock_size=ub, libver=LIBVER, locking=False,
+                      alignment_threshold=_ALIGN_THRESHOLD, alignment_interval=_ALIGN)
+        dsets = _create(f, ordered, attrs)
+    except Exception as exc:
+        f, dsets, error = None, {}, CheckpointError(f"{tmp}: cannot create: {exc}")
+    writeback = _Writeback(tmp, durable and f is not None)
+
+    def write(path: str, block: Block, data: np.ndarray) -> None:
+        nonlocal error
+        if error is None:
+            try:
+                _write_block(dsets[path], block, data)
+                writeback.wrote(data.nbytes)
+            except Exception as exc:
+                error = CheckpointError(f"{tmp}: writing {path} failed: {exc}")
+
+    try:
+        for c in chunks:
+            write(c.tensor.path, c.block, c.data)
+        # The others' pieces, in their order; receive the next while writing one.
+        # After a failure keep receiving: the senders must not be left waiting.
+        queue = [(r, p, tuple(slice(a, b) for a, b in blk))
+                 for r in range(1, size) for p, blk in every[r]]
+        dtypes = {t.path: np.dtype(t.dtype) for t in ordered}
+        largest = max((block_size(b) * dtypes[p].itemsize for _, p, b in queue), default=0)
+        buffers = [np.empty(largest // 8 + 1, dtype=np.float64) for _ in range(2)]
+
+        def post(k: int) -> tuple[Any, np.ndarray]:
+            r, p, blk = queue[k]
+            n = block_size(blk) * dtypes[p].itemsize
+            view = buffers[k % 2].view(np.uint8)[:n].view(dtypes[p]).reshape(block_shape(blk))
+            return comm.Irecv(view, source=r, tag=_TAG), view
+
+        if queue:
+            request, view = post(0)
+            for k, (_, p, blk) in enumerate(queue):
+                request.Wait()
+                current = view
+                if k + 1 < len(queue):
+                    request, view = post(k + 1)
+                write(p, blk, current)
+        table = _combined(comm, sums, len(ordered))
+    finally:
+        writeback.close()
+    # Only rank 0 is here: capture its failures, so that every rank hears of them.
+    extents: list[tuple[int, int]] = []
+    if f is not None:
+        try:
+            if error is None:
+                extents = _annotate(ordered, dsets, table)
+        except Exception as exc:
+            error = CheckpointError(f"{tmp}: writing checksums failed: {exc}")
+        finally:
+            try:
+                f.close()
+            except Exception as exc:
+                error = error or CheckpointError(f"{tmp}: closing failed: {exc}")
+    return extents, error
+
+
+def _sync_file_range() -> Any:
+    """Linux's ``sync_file_range`` through ctypes, or None where there is none."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+_WRITEBACK_BYTES = 32 << 20
+
+
+class _Writeback:
+    """For a durable save: start the kernel's write-back of the file every 32 MiB
+    this rank writes, so that the disk works while the rank goes on writing and
+    the final ``fsync`` finds little left to do (``sync_file_range``, as
+    databases do; nothing where the call is missing)."""
+
+    def __init__(self, path: str, enabled: bool) -> None:
+        self.fd = None
+        self.pending = 0
+        if enabled and _SYNC_FILE_RANGE is not None:
+            try:
+                self.fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                self.fd = None
+
+    def wrote(self, nbytes: int) -> None:
+        if self.fd is None:
+            return
+        self.pending += nbytes
+        if self.pending >= _WRITEBACK_BYTES:
+            self.pending = 0
+            if _SYNC_FILE_RANGE(self.fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
+                self.close()   # not supported here: the fsync will do it all
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _fsync_folder(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass   # some file systems refuse to fsync a folder; the rename is done
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: str | None) -> None:
+    if path:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
