@@ -154,3 +154,55 @@ def test_bad_layouts_raise_everywhere():
         opt.optimize(model, token_data(), epochs=1, batch_size=4 * comm.size)
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         HybridShardedModel(gpt_factory(), None, schedule="zigzag")
+
+
+# (writer tp, pp, data-parallel kind, ranks) -> (reader tp, pp, kind, ranks), by world size.
+CONVERSIONS = {
+    8: [((2, 2, "zero2", 8), (1, 1, "ddp", 1)),      # tp2-pp2-dp2 -> tp1-pp1-dp1
+        ((2, 2, "ddp", 8), (2, 1, "zero2", 8)),      # tp2-pp2-dp2 -> tp2-pp1-dp4
+        ((1, 1, "ddp", 1), (2, 2, "zero2", 4))],     # tp1-pp1-dp1 -> tp2-pp2-dp1
+    4: [((2, 2, "zero2", 4), (1, 1, "ddp", 1)),
+        ((2, 2, "ddp", 4), (2, 1, "zero2", 4)),
+        ((1, 1, "ddp", 1), (2, 2, "zero2", 4))],
+    2: [((2, 1, "zero2", 2), (1, 2, "ddp", 2)),
+        ((1, 1, "ddp", 1), (1, 2, "zero2", 2))],
+}
+
+
+def _train_part(ranks, tp, pp, kind, data, load_from=None, save_to=None):
+    """Train one epoch on the first ``ranks`` ranks in layout (tp, pp), optionally
+    resuming from and saving a checkpoint. Returns the model on those ranks."""
+    from mpishard.checkpoint import load_checkpoint, save_checkpoint
+
+    world = MPI.COMM_WORLD
+    sub = world.Split(0 if world.rank < ranks else MPI.UNDEFINED, world.rank)
+    if sub == MPI.COMM_NULL:
+        return None
+    config = ShardingConfiguration(sub, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    model = HybridShardedModel(gpt_factory(), config, micro_batches=2)
+    opt = HybridShardedOptimizer(make_opt(), config, data_parallel=kind, model=model,
+                                 max_grad_norm=0.3)
+    if load_from is not None:
+        info = load_checkpoint(load_from, model, opt)
+        assert info.step == 3 and opt.step_count == 3
+    opt.optimize(model, data, epochs=1, batch_size=16)
+    if save_to is not None:
+        save_checkpoint(save_to, model, opt)
+    return model
+
+
+@pytest.mark.parametrize("writer,reader", CONVERSIONS.get(WORLD, []),
+                         ids=lambda l: "tp%d-pp%d-%s-on-%d" % l)
+def test_checkpoint_across_layouts_continues(writer, reader, tmp_path_factory):
+    world = MPI.COMM_WORLD
+    folder = world.bcast(str(tmp_path_factory.mktemp("ckpt")) if world.rank == 0 else None)
+    path = f"{folder}/layout.h5"
+    data = token_data()
+    serial, ref_losses = serial_reference(gpt_factory, data, 16, 2, make_opt, max_grad_norm=0.3)
+    (wtp, wpp, wkind, wranks), (rtp, rpp, rkind, rranks) = writer, reader
+    _train_part(wranks, wtp, wpp, wkind, data, save_to=path)
+    world.Barrier()
+    model = _train_part(rranks, rtp, rpp, rkind, data, load_from=path)
+    if model is not None:     # the reader's ranks: two epochs in total, like the serial run
+        assert_matches_serial(model, serial)
+    world.Barrier()

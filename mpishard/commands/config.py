@@ -430,7 +430,3 @@ def check(s: Settings, world: int) -> None:
                          f"use a multiple of {parts}")
     if s.samples is not None and s.batch_size > s.samples:
         raise UsageError(f"--batch-size {s.batch_size} is larger than --samples {s.samples}")
-    if model_parallel and (s.checkpoint_every or s.resume or s.checkpoint_dir is not None):
-        raise UsageError("checkpoints of tensor- or pipeline-parallel layouts are not supported "
-                         "yet: drop --checkpoint-dir/--checkpoint-every/--resume, or use "
-                         "--tp 1 --pp 1")

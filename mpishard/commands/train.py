@@ -195,8 +195,7 @@ def _build(s: Settings, comm: Any, closers: list[Callable[[], None]]) -> Run:
         f"{s.optimizer} lr {s.lr:g}, cosine schedule",
     ]
     run = Run(s, config, model, strategy, data, validation, description, closers=closers)
-    if topo.tp * topo.pp == 1:
-        _checkpoints(run, comm)
+    _checkpoints(run, comm)
     return run
 
 
@@ -410,9 +409,6 @@ def _summary(run: Run, report: Any, start_val: float | None,
     print(f"   memory per rank, MiB: peak RSS {rss}; training state {state}")
     if report.checkpoint:
         print(f"   checkpoint: {_shown(report.checkpoint)}")
-    elif run.manager is None:
-        print("   checkpoint: none (checkpoints of tensor- or pipeline-parallel layouts are "
-              "not supported yet)")
     print(f"   metrics:    {s.metrics_path}  (mpishard plot {s.metrics_path} -o "
           f"{os.path.join(s.run_dir, 'loss.png')})")
     if report.stopped in ("SIGUSR1", "SIGTERM", "signal"):

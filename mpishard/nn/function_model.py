@@ -50,7 +50,7 @@ class FunctionModel:
         if layout.size != params.size:
             raise ValueError(f"layout has {layout.size} elements, params has {params.size}")
         self.f = f
-        self.predict = predict
+        self.predict_fn = predict
         self.layout = layout
         self.params = params.copy()
         self.grads = xp.zeros_like(self.params)
@@ -62,10 +62,10 @@ class FunctionModel:
         Raises:
             NotImplementedError: the model was made without ``predict``.
         """
-        if self.predict is None:
+        if self.predict_fn is None:
             raise NotImplementedError("this FunctionModel has no prediction: "
                                       "pass predict=fn(params, x) to FunctionModel")
-        return self.predict(self.params, x)
+        return self.predict_fn(self.params, x)
 
     def forward_backward(self, x: Any, y: Any, *, accumulate: bool = False) -> float:
         """Call ``f`` and store its gradient in ``grads`` (added with ``accumulate=True``).
@@ -88,8 +88,10 @@ class FunctionModel:
         return float(loss)
 
     # -- the model API: thin methods over mpishard.checkpoint.model_api ---------
-    # ``predict`` is not among them: the attribute of that name holds the user's
-    # ``predict(params, x)``; :meth:`forward` is the prediction.
+
+    def predict(self, x: Any) -> Any:
+        """The model's prediction for ``x`` (:meth:`forward`)."""
+        return self.forward(x)
 
     def train(self, x: Any, y: Any, optimizer: Any = None) -> float:
         """One optimizer step on ``(x, y)`` in this process; returns the loss

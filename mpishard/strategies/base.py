@@ -253,8 +253,18 @@ class DataParallelOptimizer:
             # A pipelined model cuts each micro-batch again into its own micro-batches.
             pipeline = getattr(model, "micro_batches", 1)
             split = split_batch(batch_size, self.dp.size, self.accumulation_steps * pipeline)
-            if self.sampler is None or self.sampler.batch_size != batch_size:
+            if self.sampler is None:
                 self.sampler = ShardedSampler(len(dataset), batch_size, seed=seed, shuffle=shuffle)
+            elif self.sampler.num_samples != len(dataset):
+                raise ValueError(f"the data has {len(dataset)} samples but the sampler (restored "
+                                 f"from a checkpoint?) counts {self.sampler.num_samples}")
+            elif self.sampler.batch_size != batch_size:
+                # A new global batch (an elastic resize under scale-lr): keep the data
+                # position, counted in samples, so no sample is repeated or skipped.
+                old = self.sampler
+                self.sampler = ShardedSampler(len(dataset), batch_size, seed=old.state.seed,
+                                              shuffle=old.shuffle)
+                self.sampler.load_state(old.state)
         except ValueError as exc:
             problem = str(exc)
         agree(self.dp.comm, problem, ValueError)
