@@ -22,7 +22,7 @@ def environment_info() -> dict[str, object]:
 
     info: dict[str, object] = {
         "mpishard": __version__,
-        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+        "mpi_library": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
         "mpi_standard": "%d.%d" % MPI.Get_version(),
         "mpi4py": __import__("mpi4py").__version__,
         "world_size": MPI.COMM_WORLD.Get_size(),
