@@ -36,6 +36,9 @@ ClusterName=mpishard-test
 SlurmctldHost=$node
 SlurmUser=root
 AuthType=auth/munge
+# A requeued job waits for its old credential to expire (default 120 s): the
+# tests requeue jobs, so keep that short on this test cluster.
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
