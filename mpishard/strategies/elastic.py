@@ -60,6 +60,9 @@ class ElasticOptimizer:
         exit_on_signal: after the checkpoint a signal asked for, exit the process
             with ``EXIT_RESIZE`` (what the agent expects); False returns instead.
         **options: passed to the inner strategy (bucket_mb, max_grad_norm, ...).
+            For runs that must agree bit for bit across restarts with ZeRO-2, pin
+            ``reduce_method`` ("reduce_scatter" or "allreduce"): "auto" chooses by
+            timing, and the two may sum in a different order on 3 or more ranks.
 
     Raises:
         MpiShardError: the current number of workers is outside

@@ -51,6 +51,9 @@ class ZeRO2Optimizer(DataParallelOptimizer):
     Args: as :class:`~mpishard.strategies.DDPOptimizer`, and
         reduce_method: ``"auto"`` (measure both at attach, on a bucket-sized
             buffer, and keep the faster), ``"reduce_scatter"`` or ``"allreduce"``.
+            Both give the same sum up to rounding; on 3 or more ranks they may
+            add in a different order, so pin one where two runs must agree bit
+            for bit (a restarted job and its reference).
     """
 
     strategy = "zero2"
