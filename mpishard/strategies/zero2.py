@@ -252,14 +252,14 @@ def _store(target: Any, piece: Any, overwrite: bool) -> None:
 
 def choose_reduce_method(dp: FlatComm, elements: int, dtype: Any, xp: Any,
                          record: dict[str, float] | None = None,
-                         repeats: int = 3, blocking: bool = False) -> str:
+                         repeats: int = 5, blocking: bool = False) -> str:
     """Time both ways of reducing one bucket to shards and return the faster.
 
     Measured, not assumed: Open MPI 4.1's ``Reduce_scatter`` was slower than an
     ``Allreduce`` of the same buffer at 4 MiB and above on the machines this was
     written on, and the answer differs between MPI libraries and networks. Each
-    method's time is the slowest rank's best of ``repeats``; every rank returns
-    the same answer. ``blocking`` measures the blocking forms (used when the
+    method's time is the slowest rank's best of ``repeats`` rounds that
+    alternate the methods; every rank returns the same answer. ``blocking`` measures the blocking forms (used when the
     reduction does not overlap a backward pass). Collective over ``dp``.
     """
     if dp.size == 1:
@@ -267,10 +267,11 @@ def choose_reduce_method(dp: FlatComm, elements: int, dtype: Any, xp: Any,
     buf = xp.zeros(max(elements, dp.size), dtype=dtype)
     counts = [len(s) for s in shard_ranges(buf.size, dp.size)]
     recv = xp.zeros(counts[dp.rank], dtype=dtype)
-    times = {}
-    for method in REDUCE_METHODS:
-        best = float("inf")
-        for _ in range(repeats + 1):   # the first run warms up the algorithm
+    best = {method: float("inf") for method in REDUCE_METHODS}
+    # Rounds alternate the methods, so that a transient slowdown of the machine
+    # hits both alike; the first round warms up the algorithms and is dropped.
+    for round_ in range(repeats + 1):
+        for method in REDUCE_METHODS:
             dp.barrier()
             t0 = time.perf_counter()
             if method == "allreduce":
@@ -282,8 +283,9 @@ def choose_reduce_method(dp: FlatComm, elements: int, dtype: Any, xp: Any,
                 dp.Reduce_scatter(buf, recv, counts, slot="probe")
             else:
                 dp.Ireduce_scatter(buf, recv, counts, slot="probe").wait()
-            best = min(best, time.perf_counter() - t0)
-        times[method] = dp.allreduce_scalar(best, op=MPI.MAX)
+            if round_:
+                best[method] = min(best[method], time.perf_counter() - t0)
+    times = {m: dp.allreduce_scalar(best[m], op=MPI.MAX) for m in REDUCE_METHODS}
     if record is not None:
         record.update(times)
     return min(REDUCE_METHODS, key=lambda m: (times[m], m))
