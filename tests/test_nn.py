@@ -351,7 +351,7 @@ def test_first_layer_computes_no_input_gradient(monkeypatch):
     x, y = batch(5, 4)
     model.forward_backward(x, y)
     assert calls == [1]
-    assert "dx" not in model._workspaces[True].layers[0]
+    assert "dx" not in model._workspaces[(True, 0)].layers[0]
     reference = MLP([4, 6, 3])
     reference.forward_backward(x, y)
     np.testing.assert_array_equal(model.grads, reference.grads)
@@ -459,13 +459,13 @@ def test_step_loop_allocates_nothing_after_first_call(rows, dtype, activation):
     # ufuncs (np.getbufsize() = 8192 elements, 64 KiB in float64), which no out=
     # argument avoids. Measured: about 35 KiB (float32), 67 KiB (float64).
     assert peak < 96 * 1024, peak
-    buffers = [dict(b) for b in model._workspaces[True].layers]
+    buffers = [dict(b) for b in model._workspaces[(True, 0)].layers]
     model.forward_backward(x, y)
-    after = model._workspaces[True].layers
+    after = model._workspaces[(True, 0)].layers
     assert all(after[i][k] is v for i, b in enumerate(buffers) for k, v in b.items())
     # A new batch shape re-makes them.
     model.forward_backward(x[:64], y[:64])
-    assert model._workspaces[True].layers[0]["y"].shape == (64, 256)
+    assert model._workspaces[(True, 0)].layers[0]["y"].shape == (64, 256)
 
 
 def test_forward_returns_a_copy():

@@ -55,8 +55,8 @@ def describe_architecture(model: Any) -> dict[str, Any] | None:
         if entry is None or type(layer) is not entry[0]:
             return None
         layers.append({"type": type(layer).__name__, "args": entry[1](layer)})
-    loss = type(model.loss).__name__
-    if _LOSSES.get(loss) is not type(model.loss):
+    loss = type(model.criterion).__name__
+    if _LOSSES.get(loss) is not type(model.criterion):
         return None
     return {"version": _VERSION, "class": type(model).__name__, "layers": layers,
             "loss": loss, "dtype": model.dtype.name, "seed": model.seed}

@@ -171,7 +171,7 @@ def clone_model(model: Any) -> Any:
     memo = {id(np): np, id(xp): xp}   # modules cannot be deep-copied
     if isinstance(model, Sequential):
         layers = copy.deepcopy(model.layers, memo)
-        loss = copy.deepcopy(model.loss, memo)
+        loss = copy.deepcopy(model.criterion, memo)
         new = type(model).__new__(type(model))
         Sequential.__init__(new, layers, loss, dtype=model.dtype, xp=model.xp, seed=model.seed)
         for key, value in model.__dict__.items():   # a subclass's own (MLP.sizes), the history

@@ -8,13 +8,14 @@ import numpy as np
 
 from ..backend import array_namespace
 from ..flat import ParamLayout
+from .model_file import ModelFileMethods
 
 __all__ = [
     "FunctionModel",
 ]
 
 
-class FunctionModel:
+class FunctionModel(ModelFileMethods):
     """A model for codes that compute their own gradient (an adjoint solver, JAX).
 
     ``f(params, x, y)`` returns the mean loss over the rows of ``x`` and the
@@ -87,57 +88,13 @@ class FunctionModel:
             self.grads[...] = self.xp.asarray(grad)
         return float(loss)
 
-    # -- the model API: thin methods over mpishard.checkpoint.model_api ---------
+    # -- the model API: the shared methods come from ModelFileMethods ----------
+    # (the file does not hold ``f``: it is Python code; load into a model built
+    # with ``f``, or use :meth:`from_file`).
 
     def predict(self, x: Any) -> Any:
         """The model's prediction for ``x`` (:meth:`forward`)."""
         return self.forward(x)
-
-    def train(self, x: Any, y: Any, optimizer: Any = None) -> float:
-        """One optimizer step on ``(x, y)`` in this process; returns the loss
-        (``SGD(lr=0.01)`` on the first call without an optimizer)."""
-        from ..checkpoint.model_api import train_step
-
-        return train_step(self, x, y, optimizer)
-
-    def get_model_metadata(self) -> dict[str, Any]:
-        """Tensor shapes, parameter count, dtype, training history, metrics."""
-        from ..checkpoint.model_api import model_metadata
-
-        return model_metadata(self)
-
-    def serialize(self) -> bytes:
-        """The model file (parameters, layout, history) as bytes: HDF5, never pickle.
-
-        The function ``f`` is not stored: it is Python code, which a model file
-        does not hold. :meth:`deserialize` into a model built with ``f``.
-        """
-        from ..checkpoint.model_api import serialize_model
-
-        return serialize_model(self)
-
-    def deserialize(self, data: bytes) -> FunctionModel:
-        """Load parameters and history from :meth:`serialize` bytes into this model."""
-        from ..checkpoint.model_api import deserialize_model
-
-        return deserialize_model(self, data)
-
-    def save_model(self, path: Any) -> str:
-        """Write the model file at ``path`` (atomically; ``f`` is not stored)."""
-        from ..checkpoint.model_api import save_model
-
-        return save_model(self, path)
-
-    def load_model(self, path: Any) -> FunctionModel:
-        """Load the parameters of a model file or checkpoint into this model.
-
-        Raises:
-            FileNotFoundError: no file at ``path``.
-            CheckpointError: not a valid model file, or another layout.
-        """
-        from ..checkpoint.model_api import load_model_into
-
-        return load_model_into(self, path)
 
     @classmethod
     def from_file(cls, path: Any, f: Callable[[Any, Any, Any], tuple[Any, Any]],
@@ -147,18 +104,6 @@ class FunctionModel:
         from ..checkpoint.model_api import load_model
 
         return load_model(path, f=f, predict=predict)
-
-    def with_parameters(self, vector: Any) -> FunctionModel:
-        """A copy of this model whose parameters are ``vector``."""
-        from ..checkpoint.model_api import with_parameters
-
-        return with_parameters(self, vector)
-
-    def clone(self) -> FunctionModel:
-        """An independent copy (the same ``f``; own parameters, gradients and history)."""
-        from ..checkpoint.model_api import clone_model
-
-        return clone_model(self)
 
     def __repr__(self) -> str:
         return (f"FunctionModel({getattr(self.f, '__name__', self.f)!r}, "
