@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+
 from ..comm import FlatComm, Handle
 from .schedules import peak_in_flight, schedule
 
@@ -41,6 +43,7 @@ class PipelineStage:
         self.slots = peak_in_flight(self.actions)
         self._recv: dict[tuple[str, int], Any] = {}
         self._sends: dict[tuple[str, int], Handle] = {}
+        self._loss_buffer = np.zeros(1)   # the step's loss, broadcast from the last stage
         self.busy_seconds = 0.0     # time in the stage's own forward/backward
         self.step_seconds = 0.0     # wall time of run()
 
@@ -146,8 +149,7 @@ class PipelineStage:
     def _share_loss(self, loss: float) -> float:
         if self.stages == 1:
             return loss
-        import numpy as np
-
-        buf = np.array([loss if self.model.is_last_stage else 0.0])
+        buf = self._loss_buffer
+        buf[0] = loss if self.model.is_last_stage else 0.0
         self.pp.Bcast(buf, root=self.stages - 1, slot="loss")
         return float(buf[0])

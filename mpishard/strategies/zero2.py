@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
 from mpi4py import MPI
 
 from ..comm import FlatComm, Handle
