@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpi4py import MPI
-
-from .errors import TopologyError, agree
-from .groups import ProcessGroups
+from .comm import FlatComm, ProcessGroups, from_comm
+from .comm.abort import install_abort_hook
+from .errors import TopologyError
 from .topology import Topology
 
 __all__ = ["ShardingConfiguration"]
@@ -20,7 +19,9 @@ class ShardingConfiguration:
 
     ``comm`` may be any intra-communicator: a simulation that owns
     ``MPI.COMM_WORLD`` can give the library a sub-communicator of it. The groups
-    are built on first use (:attr:`groups`), collectively over ``comm``.
+    are built by the constructor, collectively over ``comm``: the library first
+    duplicates ``comm`` (under the timeout), so its messages never mix with the
+    caller's, and every later call goes through the groups' communicators.
 
     Args:
         comm: parent communicator; ``MPI.COMM_WORLD`` by default.
@@ -30,8 +31,9 @@ class ShardingConfiguration:
         abort_on_exception: install an exception hook that calls ``Abort`` on
             ``comm`` when a rank dies of an uncaught exception, so the other ranks
             do not wait in a collective forever.
-        timeout: seconds a collective may take before the job is aborted with a
-            message naming it (``None``: wait forever).
+        timeout: seconds any MPI call of the library may take before the job is
+            aborted with a message naming the call, the group and the rank
+            (``None``: wait forever).
 
     Raises:
         TopologyError: sizes that do not divide the communicator's size, on every rank.
@@ -47,40 +49,43 @@ class ShardingConfiguration:
     _groups: ProcessGroups | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.comm is None:
-            self.comm = MPI.COMM_WORLD
-        if not isinstance(self.comm, MPI.Intracomm) or self.comm == MPI.COMM_NULL:
-            raise TypeError(f"expecting an MPI intra-communicator, got {self.comm!r}")
+        parent = from_comm(self.comm, "parent", self.timeout)
+        self.comm = parent.comm
+        world = parent.dup("world")
         # Every rank computes the same thing from the same arguments; should the
         # arguments differ between ranks, the agreement below still lets no rank hang.
         error = None
         try:
             self.topology = Topology.build(
-                self.comm.Get_size(), tp=self.tensor_parallel_size,
+                world.size, tp=self.tensor_parallel_size,
                 pp=self.pipeline_parallel_size, dp=self.data_parallel_size)
         except TopologyError as exc:
             error = str(exc)
-        agree(self.comm, error, TopologyError)
+        world.agree(error, TopologyError)
         mine = (self.topology.dp, self.topology.tp, self.topology.pp)
-        if self.comm.Get_size() > 1:
-            same = self.comm.allreduce(mine == self.comm.bcast(mine, root=0), op=MPI.LAND)
-            agree(self.comm, None if same else
-                  f"layout (dp, tp, pp) = {mine} differs between ranks", TopologyError)
+        same = world.allreduce(mine == world.bcast(mine, root=0), op="land")
+        world.agree(None if same else f"layout (dp, tp, pp) = {mine} differs between ranks",
+                    TopologyError)
         self.data_parallel_size = self.topology.dp
+        self._groups = ProcessGroups.split(world, self.topology)
         if self.abort_on_exception:
-            from .abort import install_abort_hook
-
-            install_abort_hook(self.comm)
+            install_abort_hook(world)
 
     @property
     def groups(self) -> ProcessGroups:
-        """The process groups, split on first use. Collective over ``comm`` then."""
+        """The process groups (``world``, ``dp``, ``tp``, ``pp``), one
+        :class:`~mpishard.comm.FlatComm` each."""
         if self._groups is None:
-            self._groups = ProcessGroups.split(self.comm, self.topology)
+            raise RuntimeError("this ShardingConfiguration was freed")
         return self._groups
 
+    @property
+    def world(self) -> FlatComm:
+        """The library's communicator over all ranks of ``comm``."""
+        return self.groups.world
+
     def free(self) -> None:
-        """Free the groups, if they were made. Collective over ``comm``."""
+        """Free the groups. Collective over ``comm``."""
         if self._groups is not None:
             self._groups.free()
             self._groups = None

@@ -1,4 +1,4 @@
-"""Exception classes and the collective agreement on rank-dependent errors."""
+"""Exception classes (the collective agreement on them is ``FlatComm.agree``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ __all__ = [
     "CommunicationError",
     "MpiShardError",
     "TopologyError",
-    "agree",
 ]
 
 
@@ -25,29 +24,3 @@ class CheckpointError(MpiShardError):
 
 class CommunicationError(MpiShardError, RuntimeError):
     """A collective that failed or did not finish in time."""
-
-
-def agree(comm, message: str | None, exc_type: type[Exception] = MpiShardError) -> None:
-    """Raise ``exc_type`` on every rank of ``comm`` if any rank has a ``message``.
-
-    A check whose outcome can differ between ranks must not raise on only some of
-    them: the others would wait forever in the next collective. Each rank passes
-    its own finding (``None`` when all is well); the lowest failing rank's message
-    is raised everywhere, prefixed with that rank. Collective over ``comm``.
-    """
-    if comm is None or comm.Get_size() == 1:
-        if message is not None:
-            raise exc_type(message)
-        return
-    rank = comm.Get_rank()
-    first_bad = comm.allreduce(rank if message is not None else comm.Get_size(), op=_min_op())
-    if first_bad == comm.Get_size():
-        return
-    text = comm.bcast(message, root=first_bad)
-    raise exc_type(text if comm.Get_size() == 1 else f"rank {first_bad}: {text}")
-
-
-def _min_op():
-    from mpi4py import MPI
-
-    return MPI.MIN

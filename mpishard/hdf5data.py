@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import agree
+from .comm import from_comm
 
 __all__ = ["HDF5Dataset", "parse_data_spec"]
 
@@ -71,29 +71,26 @@ class HDF5Dataset:
                  comm: Any = None, driver: str = "auto") -> None:
         import h5py
 
-        if comm is None:
-            from mpi4py import MPI
-
-            comm = MPI.COMM_WORLD
+        comm = from_comm(comm, "data")
         self.path = os.fspath(path)
         self.comm = comm
         missing = None if os.path.isfile(self.path) else f"{self.path}: no such file"
-        agree(comm, missing, FileNotFoundError)
-        agree(comm, None if h5py.is_hdf5(self.path) else f"{self.path}: not an HDF5 file",
+        comm.agree(missing, FileNotFoundError)
+        comm.agree(None if h5py.is_hdf5(self.path) else f"{self.path}: not an HDF5 file",
               ValueError)
         if driver == "auto":
-            driver = "mpio" if h5py.get_config().mpi and comm.Get_size() > 1 else "serial"
+            driver = "mpio" if h5py.get_config().mpi and comm.size > 1 else "serial"
         if driver not in ("mpio", "serial"):
             raise ValueError(f"driver must be 'auto', 'mpio' or 'serial', got {driver!r}")
         self.driver = driver
         if driver == "mpio":
-            self._file = h5py.File(self.path, "r", driver="mpio", comm=comm)
+            self._file = h5py.File(self.path, "r", driver="mpio", comm=comm.comm)
         else:
             self._file = h5py.File(self.path, "r")
         problem = self._check(inputs, targets)
         if problem is not None:
             self._file.close()
-        agree(comm, problem, ValueError)
+        comm.agree(problem, ValueError)
         self.inputs, self.targets = inputs, targets
         self._x = self._file[inputs]
         self._y = self._file[targets] if targets is not None else None

@@ -56,7 +56,7 @@ def test_collective_timeout_names_the_collective_and_group():
         from mpishard import ShardingConfiguration
         from mpishard.comm import FlatComm
         config = ShardingConfiguration(MPI.COMM_WORLD, timeout=2.0)
-        dp = FlatComm(config.groups.dp, "data-parallel", timeout=config.timeout)
+        dp = config.groups.dp
         if MPI.COMM_WORLD.rank == 0:
             dp.Allreduce(np.ones(4))   # rank 1 never joins
         else:

@@ -39,17 +39,17 @@ class CountingComm(FlatComm):
         super().__init__(comm, "tensor-parallel")
         self.calls = Counter()
 
-    def Allreduce(self, buf, slot="allreduce"):
+    def Allreduce(self, buf, slot="allreduce", op="sum"):
         self.calls["Allreduce"] += 1
-        super().Allreduce(buf, slot)
+        super().Allreduce(buf, slot, op)
 
-    def Iallreduce(self, buf, slot="allreduce", finish=None):
+    def Iallreduce(self, buf, slot="allreduce", finish=None, op="sum"):
         self.calls["Iallreduce"] += 1
-        return super().Iallreduce(buf, slot, finish)
+        return super().Iallreduce(buf, slot, finish, op)
 
-    def Allgatherv(self, buf, counts, slot="allgather"):
+    def Allgatherv(self, buf, counts, slot="allgather", sendbuf=None):
         self.calls["Allgatherv"] += 1
-        super().Allgatherv(buf, counts, slot)
+        super().Allgatherv(buf, counts, slot, sendbuf)
 
 
 @pytest.fixture(params=[1, 2, 4], ids=lambda p: f"tp{p}")
@@ -64,7 +64,7 @@ def config(request):
 
 
 def tp_comm(cfg):
-    return CountingComm(cfg.groups.tp)
+    return CountingComm(cfg.groups.tp.comm)
 
 
 def batch_seed(cfg, step=0):

@@ -82,9 +82,9 @@ class Placement:
         if config is not None and hasattr(config, "groups") and (
                 strategy is not None or hasattr(model, "tensor_shards")):
             groups = config.groups
-            dp = strategy.dp.comm if strategy is not None else groups.dp
+            dp = strategy.dp.comm if strategy is not None else groups.dp.comm
             c = groups.coordinates
-            return cls(groups.world, dp, c.tp, c.pp, tensor_shards(model))
+            return cls(groups.world.comm, dp, c.tp, c.pp, tensor_shards(model))
         if comm is None:
             from mpi4py import MPI
 

@@ -1,6 +1,8 @@
-"""Collectives on flat buffers over one process group."""
+"""The comm layer: every MPI call of the library, one ``FlatComm`` per group."""
 
-from .communicator import FlatComm, Handle
+from .communicator import OPS, FlatComm, Handle, from_comm, world_rank_and_host
 from .cuda import cuda_aware, cuda_aware_reason
+from .groups import ProcessGroups
 
-__all__ = ["FlatComm", "Handle", "cuda_aware", "cuda_aware_reason"]
+__all__ = ["OPS", "FlatComm", "Handle", "ProcessGroups", "cuda_aware", "cuda_aware_reason",
+           "from_comm", "world_rank_and_host"]

@@ -1,25 +1,53 @@
-"""Collectives on flat NumPy or CuPy buffers, with host staging and timeouts.
+"""Every MPI call of the library: buffers and small objects over one process group.
 
 ``FlatComm`` wraps one MPI communicator (a process group) and knows its name, so a
-collective that does not finish within the timeout aborts the job with a message
-that names the collective and the group. Device (CuPy) buffers go to MPI directly
-when the library is CUDA-aware; otherwise they are copied through reusable host
-buffers, one per *slot*, so concurrent non-blocking operations never share one.
+call that does not finish within the timeout aborts the job with a message that
+names the call, the group, and this rank (world rank, host, rank in the group).
+Device (CuPy) buffers go to MPI directly when the library is CUDA-aware;
+otherwise they are copied through reusable host buffers, one per *slot*, so
+concurrent non-blocking operations never share one.
+
+Buffer calls use MPI's capitalisation (``Allreduce``); calls on small Python
+objects are lower case (``allreduce``, ``bcast``, ``allgather``, ``gather``) and
+travel as pickled bytes through the same timed non-blocking buffer calls, so no
+call of the library can wait forever. (Pickle is used for messages between the
+ranks of one job only, never in files.)
 """
 
 from __future__ import annotations
 
+import pickle
+import socket
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from ..backend import array_namespace, synchronize
+from ..errors import MpiShardError
 from .cuda import cuda_aware
 
-__all__ = ["FlatComm", "Handle"]
+__all__ = ["OPS", "FlatComm", "Handle", "from_comm", "world_rank_and_host"]
+
+#: Reduction operations by name, for the calls on Python values and buffers.
+OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "land": MPI.LAND, "lor": MPI.LOR,
+       "prod": MPI.PROD}
+
+
+def _op(op: str | MPI.Op) -> MPI.Op:
+    if isinstance(op, MPI.Op):
+        return op
+    try:
+        return OPS[op]
+    except KeyError:
+        raise ValueError(f"expecting a reduction among {sorted(OPS)}, got {op!r}") from None
+
+
+def world_rank_and_host() -> str:
+    """``world rank R on HOST``: how messages name this process."""
+    return f"world rank {MPI.COMM_WORLD.Get_rank()} on {socket.gethostname()}"
 
 
 class Handle:
@@ -59,6 +87,8 @@ class FlatComm:
 
     def __init__(self, comm: MPI.Comm, name: str, timeout: float | None = None,
                  cuda_aware_mpi: bool | None = None) -> None:
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
         self.comm = comm
         self.name = name
         self.timeout = timeout
@@ -67,6 +97,8 @@ class FlatComm:
         self._cuda_aware = cuda_aware_mpi
         self._staging: dict[Any, np.ndarray] = {}
         self._scalar = np.zeros(1, dtype=np.float64)   # reused by allreduce_scalar
+        self._int = np.zeros(1, dtype=np.int64)          # reused by allreduce of ints
+        self._length = np.zeros(1, dtype=np.int64)       # reused by bcast
 
     # --- waiting ---------------------------------------------------------
     def wait_request(self, request: MPI.Request, what: str) -> None:
@@ -82,12 +114,23 @@ class FlatComm:
                            f"part (it failed, or its code took another path)")
             time.sleep(0)
 
-    def abort(self, message: str) -> None:
-        """Print ``message`` with this rank and abort every rank of the job."""
-        rank = MPI.COMM_WORLD.Get_rank()
-        sys.stderr.write(f"[mpishard] rank {rank}: {message}; aborting the job\n")
+    def abort(self, message: str, code: int = 3, detail: str = "") -> None:
+        """Print ``message`` naming this rank and abort every rank of the job.
+
+        ``MPI_Abort`` ends every process of the job (all of ``MPI.COMM_WORLD``
+        under Open MPI), not only this group.
+        """
+        sys.stderr.write(f"[mpishard] {world_rank_and_host()} (rank {self.rank} of the "
+                         f"{self.name} group): {message}; aborting the job\n{detail}")
         sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(3)
+        MPI.COMM_WORLD.Abort(code)
+
+    def _timed(self, request: MPI.Request, what: str) -> None:
+        """Complete ``request`` (under the timeout when one is set)."""
+        if self.timeout is None:
+            request.Wait()
+        else:
+            self.wait_request(request, what)
 
     # --- buffers ---------------------------------------------------------
     def _host(self, buf: Any, slot: Any) -> tuple[Any, Callable[[], None] | None]:
@@ -120,18 +163,20 @@ class FlatComm:
 
     # --- collectives -----------------------------------------------------
     def Iallreduce(self, buf: Any, slot: Any = "allreduce",
-                   finish: Callable[[], None] | None = None) -> Handle:
-        """Start summing ``buf`` in place over the group. Collective over the group."""
+                   finish: Callable[[], None] | None = None, op: str = "sum") -> Handle:
+        """Start reducing ``buf`` in place over the group (``op``: sum by default).
+        Collective over the group."""
         host, copy_back = self._host(buf, slot)
-        request = self.comm.Iallreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+        request = self.comm.Iallreduce(MPI.IN_PLACE, host, op=_op(op))
         return Handle(self, request, "Iallreduce", _chain(copy_back, finish))
 
-    def Allreduce(self, buf: Any, slot: Any = "allreduce") -> None:
-        """Sum ``buf`` in place over the group. Collective over the group."""
+    def Allreduce(self, buf: Any, slot: Any = "allreduce", op: str = "sum") -> None:
+        """Reduce ``buf`` in place over the group (``op``: sum by default).
+        Collective over the group."""
         if self.timeout is not None or array_namespace(buf) is not np:
-            self.Iallreduce(buf, slot).wait()
+            self.Iallreduce(buf, slot, op=op).wait()
         else:
-            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=_op(op))
 
     def Ireduce_scatter(self, sendbuf: Any, recvbuf: Any, counts: list[int],
                         slot: Any = "reduce_scatter",
@@ -151,17 +196,22 @@ class FlatComm:
         else:
             self.comm.Reduce_scatter(sendbuf, recvbuf, counts, op=MPI.SUM)
 
-    def Allgatherv(self, buf: Any, counts: list[int], slot: Any = "allgather") -> None:
-        """Gather in place: rank ``i`` contributes its piece of ``buf`` (``counts[i]``
-        elements at ``sum(counts[:i])``) and receives everyone's. Collective over
-        the group."""
+    def Allgatherv(self, buf: Any, counts: Sequence[int], slot: Any = "allgather",
+                   sendbuf: Any = None) -> None:
+        """Gather into ``buf``: rank ``i`` contributes ``counts[i]`` elements, placed
+        at ``sum(counts[:i])``, and every rank receives everyone's. In place (each
+        rank's piece already sits in ``buf``) unless ``sendbuf`` is given.
+        Collective over the group."""
         host, copy_back = self._host(buf, slot)
         displs = np.concatenate(([0], np.cumsum(counts[:-1]))).astype(int).tolist()
         spec = [host, (list(counts), displs)]
+        send = MPI.IN_PLACE
+        if sendbuf is not None:
+            send, _ = self._host(sendbuf, (slot, "send"))
         if self.timeout is not None:
-            self.wait_request(self.comm.Iallgatherv(MPI.IN_PLACE, spec), "Iallgatherv")
+            self.wait_request(self.comm.Iallgatherv(send, spec), "Iallgatherv")
         else:
-            self.comm.Allgatherv(MPI.IN_PLACE, spec)
+            self.comm.Allgatherv(send, spec)
         if copy_back is not None:
             copy_back()
 
@@ -180,6 +230,11 @@ class FlatComm:
         host, _ = self._host(buf, slot)
         return Handle(self, self.comm.Isend(host, dest=dest, tag=tag), f"Isend to rank {dest}")
 
+    def Irecv(self, buf: Any, source: int, tag: int) -> Handle:
+        """Start receiving into host (NumPy) buffer ``buf`` from ``source``."""
+        return Handle(self, self.comm.Irecv(buf, source=source, tag=tag),
+                      f"Irecv from rank {source}")
+
     def Recv(self, buf: Any, source: int, tag: int, slot: Any = "recv") -> None:
         """Receive into ``buf`` from ``source`` (waits, with the group's timeout)."""
         xp = array_namespace(buf)
@@ -196,24 +251,149 @@ class FlatComm:
             self._cuda_aware = cuda_aware()
         return self._cuda_aware
 
-    def allreduce_scalar(self, value: float, op: MPI.Op = MPI.SUM) -> float:
+    def allreduce_scalar(self, value: float, op: str | MPI.Op = "sum") -> float:
         """Reduce one Python float over the group. Collective over the group."""
         if self.size == 1:
-            return value
+            return float(value)
         buf = self._scalar
         buf[0] = value
-        if self.timeout is not None:
-            self.wait_request(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op), "Iallreduce")
-        else:
-            self.comm.Allreduce(MPI.IN_PLACE, buf, op=op)
+        self._timed(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_op(op)), "Iallreduce")
         return float(buf[0])
+
+    def allreduce(self, value: bool | int | float, op: str = "sum") -> Any:
+        """Reduce one Python bool, int or float over the group; returns the same
+        type. ``op``: "sum", "max", "min", "land", "lor", "prod". Collective over
+        the group."""
+        if isinstance(value, (bool, np.bool_)):
+            if op not in ("land", "lor", "max", "min"):
+                raise ValueError(f"a bool reduces with land, lor, max or min, not {op!r}")
+            if self.size == 1:
+                return bool(value)
+            self._int[0] = int(bool(value))
+            o = {"land": "min", "lor": "max"}.get(op, op)
+            self._timed(self.comm.Iallreduce(MPI.IN_PLACE, self._int, op=_op(o)), "Iallreduce")
+            return bool(self._int[0])
+        if isinstance(value, (int, np.integer)):
+            if self.size == 1:
+                return int(value)
+            self._int[0] = value
+            self._timed(self.comm.Iallreduce(MPI.IN_PLACE, self._int, op=_op(op)), "Iallreduce")
+            return int(self._int[0])
+        return self.allreduce_scalar(float(value), op)
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        """``obj`` of rank ``root`` on every rank (a small picklable object).
+        Collective over the group."""
+        if self.size == 1:
+            return obj
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else b""
+        self._length[0] = len(data)
+        self._timed(self.comm.Ibcast(self._length, root=root), "Ibcast")
+        buf = bytearray(int(self._length[0])) if self.rank != root else bytearray(data)
+        self._timed(self.comm.Ibcast([buf, MPI.BYTE], root=root), "Ibcast")
+        return obj if self.rank == root else pickle.loads(buf)
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank. Collective over the group."""
+        if self.size == 1:
+            return [obj]
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        lengths = np.zeros(self.size, dtype=np.int64)
+        lengths[self.rank] = len(data)
+        self._timed(self.comm.Iallgather(MPI.IN_PLACE, lengths), "Iallgather")
+        displs = np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(int)
+        out = bytearray(int(lengths.sum()))
+        spec = [out, (lengths.astype(int).tolist(), displs.tolist()), MPI.BYTE]
+        self._timed(self.comm.Iallgatherv([data, MPI.BYTE], spec), "Iallgatherv")
+        return [pickle.loads(out[d:d + n]) for d, n in zip(displs, lengths)]
+
+    def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` in rank order on ``root``; None elsewhere.
+        Collective over the group."""
+        if self.size == 1:
+            return [obj]
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        lengths = np.zeros(self.size, dtype=np.int64)
+        mine = np.array([len(data)], dtype=np.int64)
+        self._timed(self.comm.Igather(mine, lengths, root=root), "Igather")
+        if self.rank != root:
+            self._timed(self.comm.Igatherv([data, MPI.BYTE], None, root=root), "Igatherv")
+            return None
+        displs = np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(int)
+        out = bytearray(int(lengths.sum()))
+        spec = [out, (lengths.astype(int).tolist(), displs.tolist()), MPI.BYTE]
+        self._timed(self.comm.Igatherv([data, MPI.BYTE], spec, root=root), "Igatherv")
+        return [pickle.loads(out[d:d + n]) for d, n in zip(displs, lengths)]
+
+    def agree(self, problem: str | None, exc_type: type[Exception] = MpiShardError) -> None:
+        """Raise ``exc_type`` on every rank if any rank has a ``problem``.
+
+        A check whose outcome can differ between ranks must not raise on only
+        some of them: the others would wait forever in the next collective.
+        Each rank passes its own finding (None when all is well); the lowest
+        failing rank's message is raised everywhere, prefixed with that rank
+        (its rank in this group, and its world rank where they differ).
+        Collective over the group.
+        """
+        if self.size == 1:
+            if problem is not None:
+                raise exc_type(problem)
+            return
+        first = self.allreduce(self.rank if problem is not None else self.size, op="min")
+        if first == self.size:
+            return
+        text, world = self.bcast((problem, MPI.COMM_WORLD.Get_rank()), root=first)
+        where = f"rank {first}" if world == first else f"rank {first} (world rank {world})"
+        raise exc_type(f"{where}: {text}")
 
     def barrier(self) -> None:
         """Wait for every rank of the group. Collective over the group."""
-        if self.timeout is not None:
-            self.wait_request(self.comm.Ibarrier(), "Ibarrier")
+        if self.size > 1:
+            self._timed(self.comm.Ibarrier(), "Ibarrier")
+
+    # --- communicators ---------------------------------------------------
+    def dup(self, name: str | None = None) -> FlatComm:
+        """A duplicate of the group (its own message space). Collective over the group."""
+        if self.timeout is not None and hasattr(self.comm, "Idup"):
+            comm, request = self.comm.Idup()
+            self.wait_request(request, "Idup")
         else:
-            self.comm.Barrier()
+            comm = self.comm.Dup()
+        return FlatComm(comm, name or self.name, self.timeout, self._cuda_aware)
+
+    def split(self, color: int, key: int, name: str) -> FlatComm:
+        """The sub-group of the ranks with the same ``color``, ordered by ``key``.
+        Collective over the group (``Comm_split`` has no non-blocking form, so it
+        is not under the timeout; the collective before it in the library is)."""
+        return FlatComm(self.comm.Split(color=color, key=key), name, self.timeout,
+                        self._cuda_aware)
+
+    def split_shared(self, name: str = "node") -> FlatComm:
+        """The ranks of this group that share this rank's node (shared memory).
+        Collective over the group."""
+        return FlatComm(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank), name,
+                        self.timeout, self._cuda_aware)
+
+    def free(self) -> None:
+        """Free the communicator (not ``MPI.COMM_WORLD``/``COMM_SELF``). Collective."""
+        if self.comm not in (MPI.COMM_NULL, MPI.COMM_WORLD, MPI.COMM_SELF):
+            self.comm.Free()
+        self.comm = MPI.COMM_NULL
+
+    def __repr__(self) -> str:
+        return f"FlatComm({self.name!r}, rank {self.rank} of {self.size})"
+
+
+def from_comm(comm: Any, name: str, timeout: float | None = None) -> FlatComm:
+    """``comm`` itself when it already is a :class:`FlatComm`, else one around it
+    (for code that takes a user's ``mpi4py`` communicator)."""
+    if isinstance(comm, FlatComm):
+        return comm
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+        raise TypeError(f"expecting an MPI intra-communicator, got {comm!r}")
+    return FlatComm(comm, name, timeout)
 
 
 def _chain(*steps: Callable[[], None] | None) -> Callable[[], None] | None:

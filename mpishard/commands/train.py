@@ -85,7 +85,7 @@ def run_given(given: dict[str, Any]) -> int:
     Collective over ``MPI.COMM_WORLD``."""
     from mpi4py import MPI
 
-    from ..train import StopRequest
+    from ..train.loop import StopRequest
 
     comm = MPI.COMM_WORLD
     try:
@@ -346,7 +346,7 @@ def _checkpoints(run: Run, comm: Any) -> None:
 # --- training and the summary -------------------------------------------------------------
 
 def _train(run: Run, stop: Any) -> Any:
-    from ..train import evaluate, interactive_output, peak_rss_bytes, run_training
+    from ..train.loop import evaluate, interactive_output, peak_rss_bytes, run_training
 
     s, comm = run.settings, run.config.comm
     rank0 = comm.Get_rank() == 0

@@ -33,7 +33,6 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import FlatComm
-from ..errors import agree
 from .activations import GELU, ReLU, Tanh
 from .base import BatchContext, Layer, finish_gradient, store_gradient
 from .dropout import Dropout
@@ -71,7 +70,10 @@ def check_tensor_parallel(tp_comm: FlatComm | None, problem: str | None) -> None
 
     Collective over ``tp_comm`` (a plain raise without one).
     """
-    agree(None if tp_comm is None else tp_comm.comm, problem, ValueError)
+    if tp_comm is not None:
+        tp_comm.agree(problem, ValueError)
+    elif problem is not None:
+        raise ValueError(problem)
 
 
 def _size_rank(tp_comm: FlatComm | None) -> tuple[int, int]:

@@ -1,10 +1,13 @@
-"""Training strategies: how gradients, state and parameters are spread over ranks."""
+"""The public strategies: DDP, ZeRO-2, 3D hybrid and elastic training.
 
-from .base import DataParallelOptimizer, TrainResult
-from .ddp import DDPOptimizer
-from .elastic import ElasticOptimizer
-from .hybrid import HybridShardedModel, HybridShardedOptimizer
-from .zero2 import ZeRO2Optimizer, choose_reduce_method
+(Transitional: re-exports the parallel layer while the training loop moves to
+:mod:`mpishard.train`.)
+"""
+
+from ..parallel import (DataParallelOptimizer, DDPOptimizer, HybridShardedModel,
+                        HybridShardedOptimizer, TrainResult, ZeRO2Optimizer,
+                        choose_reduce_method)
+from ..train.elastic import ElasticOptimizer
 
 __all__ = [
     "DDPOptimizer",

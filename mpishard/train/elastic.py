@@ -23,14 +23,12 @@ import time
 from typing import Any, Callable
 
 import numpy as np
-from mpi4py import MPI
-
 from ..config import ShardingConfiguration
-from ..errors import MpiShardError, agree
+from ..errors import MpiShardError
 from ..launch.slots import EXIT_RESIZE
-from .base import TrainResult
-from .ddp import DDPOptimizer
-from .zero2 import ZeRO2Optimizer
+from ..parallel.base import TrainResult
+from ..parallel.ddp import DDPOptimizer
+from ..parallel.zero2 import ZeRO2Optimizer
 
 __all__ = ["BATCH_POLICIES", "ElasticOptimizer"]
 
@@ -87,10 +85,10 @@ class ElasticOptimizer:
                        f"and {max_workers}")
         elif checkpoint_every is not None and checkpoint_every < 1:
             problem = f"checkpoint_every must be a positive integer, got {checkpoint_every}"
-        agree(config.comm, problem, ValueError)
+        config.world.agree(problem, ValueError)
         workers = config.topology.dp
         if not min_workers <= workers <= max_workers:
-            agree(config.comm, f"{workers} workers, outside the allowed range "
+            config.world.agree(f"{workers} workers, outside the allowed range "
                                f"[{min_workers}, {max_workers}] (min_workers, max_workers)",
                   MpiShardError)
         self.config = config
@@ -180,8 +178,7 @@ class ElasticOptimizer:
                 self.checkpoint(model)
                 last_saved[0] = step
             self._flag[0] = {None: 0, "resize": 1, "preempt": 2}.get(self._pending, 1)
-            if self.current_workers > 1 or self.config.comm.Get_size() > 1:
-                self.config.comm.Allreduce(MPI.IN_PLACE, self._flag, op=MPI.MAX)
+            self.config.world.Allreduce(self._flag, slot="elastic-stop", op="max")
             if self._flag[0]:
                 self.stop_reason = {1: "resize", 2: "preempt"}[int(self._flag[0])]
                 if last_saved[0] != step:
@@ -211,8 +208,8 @@ class ElasticOptimizer:
         path = os.environ.get("MPISHARD_ELASTIC_READY_FILE")
         if not path:
             return
-        self.config.comm.Barrier()
-        if self.config.comm.Get_rank() == 0:
+        self.config.world.barrier()
+        if self.config.world.rank == 0:
             with open(path, "w") as f:
                 f.write(str(os.getpid()))
 

@@ -13,9 +13,8 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
-from ..comm import FlatComm
 from ..config import ShardingConfiguration
-from ..errors import TopologyError, agree
+from ..errors import TopologyError
 from ..flat import Range
 from ..nn.sharding import owned_ranges, tensor_shards
 from ..optim.clip import sum_of_squares
@@ -73,17 +72,17 @@ class HybridShardedModel:
                  "data_parallel_size": (data_parallel_size, topo.dp)}
         clash = [f"{k}={a} but the configuration has {b}" for k, (a, b) in asked.items()
                  if a not in (None, -1, b)]
-        agree(config.comm, "; ".join(clash) or None, TopologyError)
+        config.world.agree("; ".join(clash) or None, TopologyError)
         problem = None
         if schedule not in SCHEDULES:
             problem = f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}"
         elif not isinstance(micro_batches, int) or micro_batches < 1:
             problem = f"micro_batches must be a positive integer, got {micro_batches!r}"
-        agree(config.comm, problem, ValueError)
+        config.world.agree(problem, ValueError)
         self.config = config
         groups = config.groups
-        self.tp = FlatComm(groups.tp, "tensor-parallel", timeout=config.timeout)
-        self.pp = FlatComm(groups.pp, "pipeline-parallel", timeout=config.timeout)
+        self.tp = groups.tp
+        self.pp = groups.pp
         self.micro_batches = micro_batches
         self.schedule = schedule
 
@@ -98,7 +97,7 @@ class HybridShardedModel:
                       else balance_stages(costs, topo.pp))
         except ValueError as exc:
             problem = str(exc)
-        agree(config.comm, problem, ValueError)
+        config.world.agree(problem, ValueError)
         self.stage_ranges = ranges
         mine = ranges[self.pp.rank]
         self.stage_model = probe if mine == (0, 1) else model(tp_comm=self.tp, stage_layers=mine)
@@ -191,7 +190,7 @@ class _HybridMixin:
         model = self.model
         self._gradient_factor = 1.0 / getattr(model, "micro_batches", 1)
         groups = self.config.groups
-        self._world = FlatComm(groups.world, "world", timeout=self.config.timeout)
+        self._world = groups.world
         owned = owned_ranges(model.layout, tensor_shards(model), groups.coordinates.tp)
         self._norm_ranges = self._count_once(owned)
 

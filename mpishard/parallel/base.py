@@ -13,10 +13,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..backend import array_namespace, to_numpy
-from ..comm import FlatComm, Handle
+from ..comm import Handle
 from ..config import ShardingConfiguration
 from ..data import ArrayDataset, ShardedSampler, split_batch
-from ..errors import CommunicationError, MpiShardError, TopologyError, agree
+from ..errors import CommunicationError, MpiShardError, TopologyError
 from ..flat import Range, bucket_ranges
 from ..protocols import BucketedModel, Model, Optimizer
 
@@ -66,8 +66,8 @@ class DataParallelOptimizer:
                  accumulation_steps: int = 1, max_grad_norm: float | None = None,
                  schedule: Callable[[int], float] | None = None, overlap: bool = True) -> None:
         self.config = config if config is not None else ShardingConfiguration()
-        comm = self.config.comm
-        agree(comm, None if isinstance(optimizer, Optimizer) else
+        world = self.config.world
+        world.agree(None if isinstance(optimizer, Optimizer) else
               f"expecting a gradient optimizer with init_state() and update() "
               f"(mpishard.optim.SGD, Adam, AdamW), got {type(optimizer).__name__}", TypeError)
         problem = None
@@ -77,10 +77,10 @@ class DataParallelOptimizer:
             problem = f"bucket_mb must be positive, got {bucket_mb!r}"
         elif max_grad_norm is not None and not (max_grad_norm > 0):
             problem = f"max_grad_norm must be positive or None, got {max_grad_norm!r}"
-        agree(comm, problem, ValueError)
+        world.agree(problem, ValueError)
         topo = self.config.topology
         if topo.tp * topo.pp != 1 and not self._model_parallel:
-            agree(comm, f"{type(self).__name__} replicates the whole model, but the layout has "
+            world.agree(f"{type(self).__name__} replicates the whole model, but the layout has "
                         f"tensor_parallel_size={topo.tp} and pipeline_parallel_size={topo.pp}; "
                         f"use HybridShardedOptimizer for tensor or pipeline parallelism",
                   TopologyError)
@@ -91,7 +91,7 @@ class DataParallelOptimizer:
         self.schedule = schedule
         self.overlap = overlap
         groups = self.config.groups
-        self.dp = FlatComm(groups.dp, "data-parallel", timeout=self.config.timeout)
+        self.dp = groups.dp
         self.model: Model | None = None
         self.step_count = 0
         self.last_grad_norm = float("nan")
@@ -116,10 +116,9 @@ class DataParallelOptimizer:
                 1-D arrays (on every rank).
             MpiShardError: the parameter count or dtype differs between ranks.
         """
-        comm = self.dp.comm
-        agree(comm, _model_problem(model), TypeError)
+        self.dp.agree(_model_problem(model), TypeError)
         n, dtype = model.params.size, model.params.dtype.str
-        every = comm.allgather((n, dtype))
+        every = self.dp.allgather((n, dtype))
         if len(set(every)) > 1:
             detail = ", ".join(f"rank {r} has {c} {np.dtype(d).name}" for r, (c, d) in enumerate(every))
             raise MpiShardError(f"parameters differ between data-parallel ranks: {detail}")
@@ -267,7 +266,7 @@ class DataParallelOptimizer:
                 self.sampler.load_state(old.state)
         except ValueError as exc:
             problem = str(exc)
-        agree(self.dp.comm, problem, ValueError)
+        self.dp.agree(problem, ValueError)
         sampler = self.sampler
         assert sampler is not None
         x, y = dataset.buffers(split.local_size, self.xp, model.params.dtype)
@@ -301,7 +300,7 @@ class DataParallelOptimizer:
         """
         model = self._require_model()
         digest = hashlib.blake2b(to_numpy(model.params).tobytes(), digest_size=16).hexdigest()
-        every = self.dp.comm.allgather((digest, self.step_count))
+        every = self.dp.allgather((digest, self.step_count))
         if len(set(every)) > 1:
             odd = [r for r, d in enumerate(every) if d != every[0]]
             raise CommunicationError(
