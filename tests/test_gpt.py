@@ -359,7 +359,7 @@ def test_micro_batches_in_flight_over_three_stages():
     assert_same_tensors(stages, whole, "grads", rtol=1e-12, atol=1e-16)
     # The slots keep their buffers: a second step allocates no new workspace.
     before = {id(ws) for s in stages for ws in s._workspaces.values()}
-    for m, (x, y) in enumerate(data):
+    for m, (x, _) in enumerate(data):
         h = x
         for stage in stages:
             h = stage.forward_stage(h, micro=m)

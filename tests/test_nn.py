@@ -13,6 +13,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from mpishard.backend import array_namespace, to_numpy
 from mpishard.flat import Range
 from mpishard.nn import (
     GELU,
@@ -46,11 +47,11 @@ def loss_at(model, x, y, ctx=None) -> float:
 
 
 def numeric_grad(model, x, y, ctx=None) -> np.ndarray:
-    """Central differences of the loss in every parameter."""
+    """Central differences of the loss in every parameter (a NumPy array)."""
     p = model.params
-    g = np.empty_like(p)
+    g = np.empty(p.shape, dtype=np.float64)
     for k in range(p.size):
-        old = p[k]
+        old = float(p[k])
         p[k] = old + EPS
         up = loss_at(model, x, y, ctx)
         p[k] = old - EPS
@@ -62,25 +63,26 @@ def numeric_grad(model, x, y, ctx=None) -> np.ndarray:
 
 def check_gradients(model, x, y, ctx=None) -> None:
     loss_at(model, x, y, ctx)
-    analytic = model.grads.copy()
+    analytic = to_numpy(model.grads).copy()
     np.testing.assert_allclose(analytic, numeric_grad(model, x, y, ctx), rtol=RTOL, atol=ATOL)
 
 
 def randomize(model, seed: int = 1) -> None:
     """Move every parameter off its initial value (LayerNorm starts at 1 and 0)."""
-    model.params[...] += 0.3 * np.random.default_rng(seed).normal(size=model.params.size)
+    noise = 0.3 * np.random.default_rng(seed).normal(size=model.params.size)
+    model.params[...] += array_namespace(model.params).asarray(noise)
 
 
 # -- gradients of each layer and loss ---------------------------------------------
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_gradients_mse(bias):
+def test_linear_gradients_mse(bias, xp):
     # Two Linear layers: the second one's input gradient is exercised too.
-    model = Sequential([Linear(4, 5, bias=bias), Linear(5, 2, bias=bias)], MSELoss())
+    model = Sequential([Linear(4, 5, bias=bias), Linear(5, 2, bias=bias)], MSELoss(), xp=xp)
     x, _ = batch(6, 4)
     t = np.random.default_rng(3).normal(size=(6, 2))
-    check_gradients(model, x, t)
+    check_gradients(model, xp.asarray(x), xp.asarray(t))
 
 
 @pytest.mark.parametrize("activation", [ReLU, GELU, Tanh])
@@ -105,13 +107,14 @@ def test_dropout_gradients_with_fixed_context():
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "tanh"])
 @pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
-def test_mlp_gradients(activation, loss):
-    model = MLP([3, 5, 4, 2], activation=activation, loss=loss, layer_norm=True, dropout=0.25)
+def test_mlp_gradients(activation, loss, xp):
+    model = MLP([3, 5, 4, 2], activation=activation, loss=loss, layer_norm=True, dropout=0.25,
+                xp=xp)
     randomize(model)
     x, y = batch(6, 3, classes=2)
     if loss == "mse":
         y = np.random.default_rng(5).normal(size=(6, 2))
-    check_gradients(model, x, y, ctx=(1, 0, 6))
+    check_gradients(model, xp.asarray(x), xp.asarray(y), ctx=(1, 0, 6))
 
 
 def test_accumulate_adds_and_default_overwrites():
@@ -282,10 +285,10 @@ class Recorder:
         assert np.all(np.isnan(self.model.grads[r.start:r.stop]))
         self.calls.append(("before", r))
 
-    def after(self, lo):
-        # Every gradient at offsets >= lo is final.
-        assert np.all(np.isfinite(self.model.grads[lo:]))
-        self.calls.append(("after", lo))
+    def after(self, r):
+        # Every gradient at offsets >= r.start is final.
+        assert np.all(np.isfinite(self.model.grads[r.start:]))
+        self.calls.append(("after", r))
 
 
 def test_hooks_called_in_backward_order_with_layer_ranges():
@@ -305,7 +308,7 @@ def test_hooks_called_in_backward_order_with_layer_ranges():
     # Layers: 0 Linear, 1 LayerNorm, 2 ReLU, 3 Linear, 4 LayerNorm, 5 ReLU, 6 Linear.
     expected = []
     for i in (6, 4, 3, 1, 0):
-        expected += [("before", span(i)), ("after", span(i).start)]
+        expected += [("before", span(i)), ("after", span(i))]
     assert hooks.calls == expected
     assert expected[0][1].stop == lay.size and expected[-2][1] == Range(0, 4 * 6 + 6)
     np.testing.assert_array_equal(model.grads, reference.grads)

@@ -44,7 +44,7 @@ def simulate(name, p, m):
 def test_every_micro_batch_once_and_bubble_closed_form(name, p, m):
     for s in range(p):
         actions = schedule(name, p, m, s)
-        assert sorted(actions) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        assert sorted(actions) == sorted([(kind, i) for kind in "FB" for i in range(m)])
         for i in range(m):   # each backward after its forward
             assert actions.index(("F", i)) < actions.index(("B", i))
     makespan = simulate(name, p, m)

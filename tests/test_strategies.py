@@ -8,6 +8,8 @@ float64 to rtol 1e-10, float32 to rtol 1e-5 after a few steps.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -48,13 +50,12 @@ def serial_reference(make_model, make_opt, data, batch_size, epochs, seed=0,
     x = x.astype(model.params.dtype)
     state = opt.init_state(model.params.size, model.params.dtype, np)
     sampler = ShardedSampler(len(x), batch_size, seed=seed)
-    losses, step = [], 0
-    for _ in range(epochs * sampler.batches_per_epoch):
+    losses = []
+    for step in range(1, epochs * sampler.batches_per_epoch + 1):
         idx = sampler.batch_indices(0, batch_size)
         if hasattr(model, "set_batch_context"):
-            model.set_batch_context(step, 0, batch_size)
+            model.set_batch_context(step - 1, 0, batch_size)   # counted from 0
         losses.append(model.forward_backward(x[idx], y[idx]))
-        step += 1
         coef = 1.0
         if max_grad_norm is not None:
             norm = float(np.sqrt(np.sum(model.grads.astype(np.float64) ** 2)))
@@ -73,7 +74,7 @@ def assert_close(actual, expected, rtol, what="parameters"):
 @pytest.mark.parametrize("opt_name", OPTIMIZERS)
 def test_matches_serial_float64(strategy, opt_name):
     data = make_data()
-    make_model = lambda: MLP(SIZES, activation="tanh", dtype=np.float64, seed=7)
+    make_model = functools.partial(MLP, SIZES, activation="tanh", dtype=np.float64, seed=7)
     ref, ref_losses = serial_reference(make_model, OPTIMIZERS[opt_name], data, 16, epochs=4)
     model = make_model()
     # Tiny buckets: every layer is its own bucket, so the overlap path is exercised.
@@ -90,7 +91,7 @@ def test_matches_serial_float64(strategy, opt_name):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_matches_serial_float32(strategy):
     data = make_data()
-    make_model = lambda: MLP(SIZES, activation="relu", dtype=np.float32, seed=3)
+    make_model = functools.partial(MLP, SIZES, activation="relu", dtype=np.float32, seed=3)
     make_opt = OPTIMIZERS["adam"]
     ref, _ = serial_reference(make_model, make_opt, data, 32, epochs=1)
     model = make_model()
@@ -104,8 +105,8 @@ def test_matches_serial_float32(strategy):
 def test_accumulation_clipping_schedule(strategy, method):
     """Micro-batches, global-norm clipping and a cosine schedule together."""
     data = make_data(n=128)
-    make_model = lambda: MLP(SIZES, activation="gelu", dtype=np.float64, seed=5,
-                             layer_norm=True)
+    make_model = functools.partial(MLP, SIZES, activation="gelu", dtype=np.float64, seed=5,
+                                   layer_norm=True)
     make_opt = OPTIMIZERS["adamw"]
     schedule = CosineSchedule(total_steps=16, warmup_steps=3)
     ref, _ = serial_reference(make_model, make_opt, data, 32, epochs=4,
@@ -125,7 +126,7 @@ def test_accumulation_clipping_schedule(strategy, method):
 def test_ddp_no_sync_equals_accumulation():
     comm = MPI.COMM_WORLD
     data = make_data(n=64)
-    make_model = lambda: MLP(SIZES, dtype=np.float64, seed=2)
+    make_model = functools.partial(MLP, SIZES, dtype=np.float64, seed=2)
     ref, _ = serial_reference(make_model, OPTIMIZERS["sgd-nesterov"], data, 32, epochs=1)
     model = make_model()
     ddp = DDPOptimizer(OPTIMIZERS["sgd-nesterov"](), ShardingConfiguration(comm), model=model)
@@ -155,7 +156,9 @@ def test_function_model(strategy):
         r = xb @ p - yb
         return float(r @ r / len(yb)), 2.0 * xb.T @ r / len(yb)
 
-    make_model = lambda: FunctionModel(f, np.zeros(11))
+    def make_model():
+        return FunctionModel(f, np.zeros(11))   # new parameters for each model
+
     ref, _ = serial_reference(make_model, OPTIMIZERS["adam"], (x, y), 16, epochs=3)
     model = make_model()
     dist = STRATEGIES[strategy](OPTIMIZERS["adam"](), ShardingConfiguration(MPI.COMM_WORLD),
@@ -167,7 +170,7 @@ def test_function_model(strategy):
 def test_dropout_split_invariant():
     """Dropout masks are drawn for the global batch, so any split gives the same run."""
     data = make_data()
-    make_model = lambda: MLP(SIZES, dtype=np.float64, seed=9, dropout=0.3)
+    make_model = functools.partial(MLP, SIZES, dtype=np.float64, seed=9, dropout=0.3)
     ref, _ = serial_reference(make_model, OPTIMIZERS["adam"], data, 16, epochs=2)
     model = make_model()
     dist = ZeRO2Optimizer(OPTIMIZERS["adam"](), ShardingConfiguration(MPI.COMM_WORLD),
@@ -182,7 +185,7 @@ def test_sub_communicator():
     half = world.Split(color=world.rank % 2, key=world.rank)
     try:
         data = make_data()
-        make_model = lambda: MLP(SIZES, dtype=np.float64, seed=1)
+        make_model = functools.partial(MLP, SIZES, dtype=np.float64, seed=1)
         ref, _ = serial_reference(make_model, OPTIMIZERS["adam"], data, 8, epochs=1)
         model = make_model()
         dist = DDPOptimizer(OPTIMIZERS["adam"](), ShardingConfiguration(half))
@@ -195,7 +198,7 @@ def test_sub_communicator():
 
 def test_zero2_memory_is_a_shard():
     comm = MPI.COMM_WORLD
-    make_model = lambda: MLP([32] + [64] * 8 + [4], dtype=np.float64, seed=0)
+    make_model = functools.partial(MLP, [32] + [64] * 8 + [4], dtype=np.float64, seed=0)
     data = (np.random.default_rng(0).standard_normal((64, 32)),
             np.zeros(64, dtype=np.int64))
     reports = {}
@@ -227,10 +230,9 @@ def test_bad_batch_size_raises_everywhere():
         dist.optimize(MLP(SIZES), make_data(), epochs=1, batch_size=3 * comm.size + 1)
 
 
+@pytest.mark.mpi(min_size=2)   # two ranks to differ
 def test_mismatched_parameter_counts_raise_everywhere():
     comm = MPI.COMM_WORLD
-    if comm.size == 1:
-        pytest.skip("needs two ranks to differ")
     sizes = [5, 7 + (comm.rank == comm.size - 1), 3]
     with pytest.raises(MpiShardError, match="parameters differ between data-parallel ranks"):
         ZeRO2Optimizer(Adam(), ShardingConfiguration(comm), model=MLP(sizes))
@@ -281,6 +283,5 @@ def test_zero2_refuses_no_sync():
     model = MLP(SIZES)
     zero = ZeRO2Optimizer(Adam(), ShardingConfiguration(MPI.COMM_WORLD), model=model)
     x, y = make_data(n=8)
-    with pytest.raises(MpiShardError, match="no_sync"):
-        with zero.no_sync():
-            zero.backward(x, y)
+    with pytest.raises(MpiShardError, match="no_sync"), zero.no_sync():
+        zero.backward(x, y)
