@@ -50,6 +50,15 @@ if ! "$py" -c "import mpi4py, numpy, pytest, pytest_mpi, tqdm, matplotlib" 2>/de
   pipq "mpi4py>=4.0,<5" "numpy>=1.24" "pytest>=8" "pytest-mpi>=0.6" "tqdm>=4.60" "matplotlib>=3.6"
 fi
 
+# --- the linters of scripts/test.sh ---------------------------------------
+# import-linter checks the layer contracts of pyproject.toml ([tool.importlinter]);
+# ruff the style ([tool.ruff]). Major versions pinned: a new major may change rules.
+if ! "$py" -c "import importlinter, sys; sys.exit(0 if importlinter.__version__.startswith('2.') else 1)" 2>/dev/null \
+   || ! "$venv/bin/ruff" --version 2>/dev/null | grep -q "^ruff 0\."; then
+  say "pip install import-linter ruff"
+  pipq "import-linter>=2.1,<3" "ruff>=0.6,<1"
+fi
+
 # --- h5py built against the MPI-enabled HDF5 ------------------------------
 if ! "$py" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; then
   hdf5_version=$(pkg-config --modversion hdf5-openmpi)

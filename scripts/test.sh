@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Install everything (scripts/setup.sh) and run the whole test suite:
+# Install everything (scripts/setup.sh), check the imports and style, and run the
+# whole test suite:
+#   0. lint-imports (the layer contracts of pyproject.toml: no upward import, no cycle,
+#      only mpishard.comm imports mpi4py) and ruff; a violation fails the run;
 #   1. the tests that need no MPI world (pure arithmetic, layers, optimizers, and
 #      the tests that start their own mpirun), with plain pytest;
 #   2. the MPI tests under `mpirun -n N python -m pytest --with-mpi` for N = 1, 2, 4,
@@ -11,6 +14,12 @@ cd "$repo"
 bash scripts/setup.sh
 py=${MPISHARD_VENV:-$repo/.venv}/bin/python
 source scripts/mpienv.sh
+
+venv=${MPISHARD_VENV:-$repo/.venv}
+echo "== import contracts (lint-imports)"
+"$venv/bin/lint-imports" --no-cache
+echo "== ruff check"
+"$venv/bin/ruff" check mpishard tests scripts
 
 # The Slurm tests (tests/test_slurm.py) submit the batch scripts of slurm/ to a
 # real single-node Slurm: start one here if none answers (the first time this

@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
-import textwrap
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -25,7 +23,6 @@ from mpishard.checkpoint import (
     inspect_checkpoint,
     latest_checkpoint,
     load_checkpoint,
-    load_model,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -41,7 +38,26 @@ from mpishard.checkpoint.checksum import Checksum, block_checksum, run_checksum
 from mpishard.checkpoint.collective import DRIVER_ENV, resolve_driver
 from mpishard.checkpoint.container import seal_file, seal_image, verify_image
 from mpishard.cli import main
-from mpishard.nn import MLP, FunctionModel, Sequential
+from mpishard.models import (
+    build_architecture,
+    deserialize,
+    load_model,
+    load_model_into,
+    model_from_bytes,
+    save_model,
+    serialize,
+)
+from mpishard.nn import (
+    GELU,
+    GPT,
+    MLP,
+    Dropout,
+    FunctionModel,
+    LayerNorm,
+    Linear,
+    Sequential,
+    SoftmaxCrossEntropy,
+)
 from mpishard.optim import SGD, Adam
 from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer
 
@@ -271,7 +287,7 @@ def test_same_layout_resume_is_bitwise_identical(tmp_path):
     resumed = DDPOptimizer(Adam(lr=1e-2), ShardingConfiguration(MPI.COMM_SELF))
     info = load_checkpoint(path, fresh, resumed)
     assert info.step == resumed.step_count == 4
-    resumed.optimize(fresh, data, epochs=2, batch_size=16)
+    resumed.optimize(fresh, data, epochs=3, batch_size=16)   # epochs is the total
     np.testing.assert_array_equal(fresh.params, ref_model.params)
     for k in ref.state:
         np.testing.assert_array_equal(resumed.state[k], ref.state[k])
@@ -289,7 +305,7 @@ def _expect_error(path, loader):
 
 def test_a_hundred_and_more_damaged_files_each_a_clear_error(base_file, tmp_path):
     base, model, _ = base_file
-    raw = open(base, "rb").read()
+    raw = Path(base).read_bytes()
     size = len(raw)
     rng = np.random.default_rng(20240605)
     cases: list[tuple[str, bytes]] = []
@@ -413,33 +429,34 @@ def test_sequential_bytes_and_files_round_trip(tmp_path):
     x, y = make_data()
     model = MLP(SIZES, activation="gelu", seed=3, layer_norm=True, dropout=0.1)
     losses = [model.train(x[:16], y[:16]) for _ in range(3)]
-    data = model.serialize()
+    data = serialize(model)
     assert isinstance(data, bytes) and data[:8] != b"\x80\x04\x95"   # not a pickle
-    rebuilt = Sequential.from_bytes(data)
+    rebuilt = model_from_bytes(data)
+    assert type(rebuilt) is MLP and rebuilt.config() == model.config()
     np.testing.assert_array_equal(rebuilt.params, model.params)
     np.testing.assert_array_equal(rebuilt.predict(x), model.predict(x))
     assert rebuilt.get_model_metadata()["history"] == {"steps": 3, "losses": losses}
     into = MLP(SIZES, activation="gelu", seed=4, layer_norm=True, dropout=0.1)
-    assert into.deserialize(data) is into
+    assert deserialize(into, data) is into
     np.testing.assert_array_equal(into.params, model.params)
-    path = model.save_model(tmp_path / "m.h5")
-    np.testing.assert_array_equal(Sequential.from_file(path).params, model.params)
+    path = save_model(model, tmp_path / "m.h5")
+    np.testing.assert_array_equal(load_model(path).params, model.params)
     np.testing.assert_array_equal(load_model(path).predict(x), model.predict(x))
     other = MLP(SIZES, activation="gelu", seed=5, layer_norm=True, dropout=0.1)
-    np.testing.assert_array_equal(other.load_model(path).params, model.params)
+    np.testing.assert_array_equal(load_model_into(other, path).params, model.params)
     with pytest.raises(FileNotFoundError):
-        other.load_model(tmp_path / "absent.h5")
+        load_model_into(other, tmp_path / "absent.h5")
     (tmp_path / "junk.h5").write_bytes(b"junk" * 100)
     with pytest.raises(CheckpointError, match="junk.h5"):
-        other.load_model(tmp_path / "junk.h5")
+        load_model_into(other, tmp_path / "junk.h5")
     with pytest.raises(CheckpointError, match="a different model"):
-        MLP([5, 4, 3]).load_model(path)
+        load_model_into(MLP([5, 4, 3]), path)
     broken = bytearray(data)
     broken[len(broken) // 2] ^= 0xFF
     with pytest.raises(CheckpointError, match="serialized model"):
-        Sequential.from_bytes(bytes(broken))
+        model_from_bytes(bytes(broken))
     with pytest.raises(TypeError):
-        model.deserialize("not bytes")
+        deserialize(model, "not bytes")
 
 
 def test_train_predict_metadata_against_a_manual_step():
@@ -495,17 +512,51 @@ def test_function_model_round_trip_needs_its_function(tmp_path):
     for _ in range(4):
         model.train(x, y, None)
     assert model.get_model_metadata()["history"]["steps"] == 4
-    data = model.serialize()
-    other = FunctionModel(least_squares, np.ones(6)).deserialize(data)
+    data = serialize(model)
+    other = deserialize(FunctionModel(least_squares, np.ones(6)), data)
     np.testing.assert_array_equal(other.params, model.params)
-    path = model.save_model(tmp_path / "f.h5")
-    rebuilt = FunctionModel.from_file(path, least_squares, predict=lambda p, a: a @ p)
+    path = save_model(model, tmp_path / "f.h5")
+    rebuilt = load_model(path, least_squares, predict=lambda p, a: a @ p)
+    assert type(rebuilt) is FunctionModel and rebuilt.training_metadata()["steps"] == 4
     np.testing.assert_array_equal(rebuilt.forward(x), model.forward(x))
     with pytest.raises(CheckpointError, match="records no architecture"):
         load_model(path)
     copy = model.clone()
     copy.train(x, y)
     assert not np.array_equal(copy.params, model.params)
+
+
+def test_records_rebuild_a_sequential_of_layers_a_gpt_and_version_1_files(tmp_path):
+    x, _ = make_data()
+    model = Sequential([Linear(5, 8), LayerNorm(8), GELU(), Dropout(0.1, seed=2), Linear(8, 3)],
+                       SoftmaxCrossEntropy(), seed=7)
+    model.train(x, make_data()[1])
+    rebuilt = load_model(save_model(model, tmp_path / "s.h5"))
+    assert type(rebuilt) is Sequential and rebuilt.config() == model.config()
+    np.testing.assert_array_equal(rebuilt.predict(x), model.predict(x))
+    # A GPT's training checkpoint records the whole model: one process rebuilds it.
+    gpt = GPT(vocab_size=11, seq_len=6, d_model=8, n_heads=2, n_layers=1, seed=5)
+    gpt.params[...] = np.random.default_rng(0).standard_normal(gpt.params.size)
+    path = save_checkpoint(tmp_path / "gpt.h5", gpt, comm=MPI.COMM_SELF)
+    again = load_model(path)
+    tokens = np.random.default_rng(1).integers(0, 11, size=(2, 6))
+    assert type(again) is GPT
+    np.testing.assert_array_equal(again.params, gpt.params)
+    np.testing.assert_array_equal(again.forward(tokens), gpt.forward(tokens))
+    # Files written before layers described themselves hold a version-1 record.
+    version_1 = {"version": 1, "class": "Sequential", "loss": "SoftmaxCrossEntropy",
+                 "dtype": "float64", "seed": 7, "layers": [
+                     {"type": "Linear", "args": {"in_features": 5, "out_features": 8,
+                                                 "bias": True}},
+                     {"type": "LayerNorm", "args": {"features": 8, "eps": 1e-5}},
+                     {"type": "GELU", "args": {}},
+                     {"type": "Dropout", "args": {"p": 0.1, "seed": 2}},
+                     {"type": "Linear", "args": {"in_features": 8, "out_features": 3,
+                                                 "bias": True}}]}
+    old = build_architecture(version_1, "old.h5")
+    assert old.config() == model.config()
+    with pytest.raises(CheckpointError, match="old.h5: its architecture cannot be built"):
+        build_architecture({**version_1, "version": 3}, "old.h5")
 
 
 # ----------------------------------------------------------------- the command line
@@ -524,7 +575,7 @@ def test_ckpt_inspect_and_verify(base_file, tmp_path, capsys):
     assert report["ok"] and report["parameters"] == model.layout.size
     assert {t["path"]: t["shape"] for t in report["tensors"]}["params/0.weight"] == [5, 16]
     damaged = tmp_path / "damaged.h5"
-    raw = bytearray(open(path, "rb").read())
+    raw = bytearray(Path(path).read_bytes())
     with h5py.File(path, "r") as f:
         at = f["params/2.weight"].id.get_offset()
     raw[at + 3] ^= 0x10
@@ -565,21 +616,6 @@ def test_manager_keeps_the_last_k_and_finds_the_latest(tmp_path):
 
 # ------------------------------------------------------------- killed during a save
 
-def mpirun(n, code, timeout=120, env_extra=None):
-    env = dict(os.environ)
-    for key in list(env):   # a pytest started by mpirun must not leak its world
-        if key.startswith(("OMPI_COMM_WORLD", "PMIX_", "OMPI_MCA_ess", "OMPI_MCA_orte")):
-            env.pop(key)
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    env.update(env_extra or {})
-    proc = subprocess.run(
-        ["mpirun", "--oversubscribe", "-n", str(n), sys.executable, "-c", textwrap.dedent(code)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env)
-    return proc.returncode, proc.stdout
-
-
 TRAIN = """
 import os, signal, sys
 import numpy as np
@@ -601,9 +637,9 @@ manager = CheckpointManager(folder, keep=3)
 
 @pytest.mark.launch
 @pytest.mark.parametrize("driver", ["mpio", "serial"])
-def test_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path, driver):
+def test_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path, driver, mpirun):
     folder = str(tmp_path / "run")
-    code, out = mpirun(2, TRAIN.format(folder=folder) + f"""
+    code, out, _ = mpirun(2, TRAIN.format(folder=folder) + f"""
 zero2.optimize(model, (x, y), epochs=1, batch_size=16)
 manager.driver = {driver!r}
 manager.save(model, zero2)                                    # step 4: complete
@@ -611,7 +647,7 @@ state = zero2.synchronize_optimizer_state()
 if comm.rank == 0:
     np.save(os.path.join(folder, "params-4.npy"), model.params)
     np.save(os.path.join(folder, "exp_avg-4.npy"), state["exp_avg"])
-zero2.optimize(model, (x, y), epochs=1, batch_size=16)
+zero2.optimize(model, (x, y), epochs=2, batch_size=16)        # epochs is the total
 import h5py
 writer = 1 if {driver!r} == "mpio" else 0                       # the rank that calls HDF5 writes
 if comm.rank == writer:
@@ -632,13 +668,13 @@ print("unreachable")
     assert "ckpt-0000000004.h5" in names and "ckpt-0000000008.h5" not in names, names
     assert any(".tmp-" in n for n in names), names              # the interrupted save's file
     # A new job, at another size, resumes from the last complete checkpoint.
-    code, out = mpirun(3, TRAIN.format(folder=folder) + """
+    code, out, _ = mpirun(3, TRAIN.format(folder=folder) + """
 info = manager.load_latest(model, zero2)
 state = zero2.synchronize_optimizer_state()
 if comm.rank == 0:
     same = np.array_equal(model.params, np.load(os.path.join(folder, "params-4.npy")))
     same_state = np.array_equal(state["exp_avg"], np.load(os.path.join(folder, "exp_avg-4.npy")))
-    print("RESUMED", info.step, zero2.step_count, same, same_state, zero2.sampler.state.epoch)
+    print("RESUMED", info.step, zero2.step_count, same, same_state, zero2.data_position["epoch"])
 """)
     assert code == 0, out
     assert "RESUMED 4 4 True True 1" in out, out

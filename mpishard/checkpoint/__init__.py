@@ -1,8 +1,10 @@
-"""Parallel HDF5 checkpoints that reshard on load, and the model file API."""
+"""Parallel HDF5 checkpoints that reshard on load.
+
+Model files (``save_model``, ``load_model``, ``model_from_bytes``) moved to
+:mod:`mpishard.models`, the layer above this one."""
 
 from .files import CheckpointManager, checkpoint_name, latest_checkpoint, list_checkpoints
 from .format import FORMAT, FORMAT_VERSION, CheckpointInfo, TensorRecord
-from .model_api import load_model, model_from_bytes, save_model
 from .strategy import load_checkpoint, save_checkpoint
 from .tools import inspect_checkpoint, verify_checkpoint
 
@@ -17,9 +19,6 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
-    "load_model",
-    "model_from_bytes",
     "save_checkpoint",
-    "save_model",
     "verify_checkpoint",
 ]

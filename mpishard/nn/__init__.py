@@ -10,6 +10,8 @@ from .gpt import GPT, TransformerBlock
 from .layers import LayerNorm, Linear
 from .losses import Loss, MSELoss, SoftmaxCrossEntropy
 from .mlp import MLP
+from .model_methods import ARCHITECTURE_VERSION, Described, ModelMethods, TrainingHistory
+from .registry import layer_from_config, loss_from_config, model_from_config
 from .sequential import Sequential
 from .sharding import ShardedSequential, TensorShard, owned_ranges, tensor_shards
 from .tensor_parallel import (
@@ -20,9 +22,11 @@ from .tensor_parallel import (
 )
 
 __all__ = [
+    "ARCHITECTURE_VERSION",
     "BatchContext",
     "CausalSelfAttention",
     "ColumnParallelLinear",
+    "Described",
     "Dropout",
     "Embedding",
     "FunctionModel",
@@ -35,6 +39,7 @@ __all__ = [
     "Loss",
     "MLP",
     "MSELoss",
+    "ModelMethods",
     "ParallelMLP",
     "ReLU",
     "RowParallelLinear",
@@ -43,8 +48,12 @@ __all__ = [
     "SoftmaxCrossEntropy",
     "Tanh",
     "TensorShard",
+    "TrainingHistory",
     "TransformerBlock",
     "VocabParallelCrossEntropy",
+    "layer_from_config",
+    "loss_from_config",
+    "model_from_config",
     "owned_ranges",
     "tensor_shards",
 ]

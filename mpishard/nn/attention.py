@@ -219,6 +219,13 @@ class CausalSelfAttention(Layer):
     def backward_input(self, dy: Any, buf: dict[str, Any]) -> Any:
         return buf["dx"]
 
+    def config(self) -> dict[str, Any]:
+        """The logical layer: ``tp_comm`` is not recorded (a communicator is not
+        data), so the layer rebuilt from it is the whole, unsplit one."""
+        return {"class": "CausalSelfAttention", "args": {
+            "d_model": self.d_model, "n_heads": self.n_heads, "init_std": self.init_std,
+            "out_std": self.out_std}}
+
     def __repr__(self) -> str:
         return (f"CausalSelfAttention({self.d_model}, heads={self.n_heads}, "
                 f"tp={self.tp_rank}/{self.tp_size})")

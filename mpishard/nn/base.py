@@ -136,8 +136,27 @@ class Layer:
         """
         return {}
 
+    def config(self) -> dict[str, Any] | None:
+        """The layer as JSON: ``{"class": name, "args": constructor arguments}``.
+
+        :func:`~mpishard.nn.layer_from_config` builds an equal, unbuilt layer from
+        it; a model file stores it, never code. This default describes a class
+        that takes no constructor arguments (an activation). A layer with
+        arguments overrides it; one that does not (a user's layer) returns None:
+        it cannot be rebuilt from a file, only loaded into.
+        """
+        return no_argument_config(self, Layer)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def no_argument_config(obj: Any, base: type) -> dict[str, Any] | None:
+    """``{"class": ..., "args": {}}`` when ``obj``'s class has ``base``'s constructor
+    (so it takes no arguments), else None."""
+    if type(obj).__init__ is not base.__init__:
+        return None
+    return {"class": type(obj).__name__, "args": {}}
 
 
 def _rows_features(layer: Layer, shape: tuple[int, ...]) -> tuple[int, int]:

@@ -86,5 +86,10 @@ class Dropout(Layer):
             self.xp.copyto(dy, 0, where=buf["drop"])
         return dy
 
+    def config(self) -> dict[str, Any] | None:
+        if type(self) is not Dropout:     # a subclass with other arguments
+            return None
+        return {"class": "Dropout", "args": {"p": self.p, "seed": self.seed}}
+
     def __repr__(self) -> str:
         return f"Dropout(p={self.p}, seed={self.seed})"

@@ -111,6 +111,12 @@ class Embedding(Layer):
     def backward_input(self, dy: Any, buf: dict[str, Any]) -> Any:
         raise TypeError("token ids have no gradient: the embedding is the model's first layer")
 
+    def config(self) -> dict[str, Any]:
+        return {"class": "Embedding", "args": {"vocab_size": self.vocab_size,
+                                               "seq_len": self.seq_len,
+                                               "d_model": self.d_model,
+                                               "init_std": self.init_std}}
+
     def __repr__(self) -> str:
         return f"Embedding({self.vocab_size}, {self.seq_len}, {self.d_model})"
 
@@ -222,6 +228,13 @@ class LMHead(Layer):
         dh = buf["dh"]
         return self.ln_f.backward_input(dh, buf["ln_f"]).reshape(buf["y"].shape[:2] +
                                                                  (self.d_model,))
+
+    def config(self) -> dict[str, Any]:
+        """The logical layer: ``tp_comm`` is not recorded (a communicator is not
+        data), so the layer rebuilt from it is the whole, unsplit one."""
+        return {"class": "LMHead", "args": {"d_model": self.d_model,
+                                            "vocab_size": self.vocab_size,
+                                            "init_std": self.init_std, "eps": self.ln_f.eps}}
 
     def __repr__(self) -> str:
         return (f"LMHead({self.d_model}, {self.vocab_size}, tp={self.tp_rank}/{self.tp_size}, "

@@ -13,6 +13,7 @@ from .base import BatchContext, Layer
 from .embedding import Embedding, LMHead, sequence_shape
 from .layers import LayerNorm
 from .losses import SoftmaxCrossEntropy
+from .model_methods import Described
 from .sharding import ShardedSequential, TensorShard, split_range
 from .tensor_parallel import (
     ColumnParallelLinear,
@@ -156,6 +157,14 @@ class TransformerBlock(Layer):
     def backward_input(self, dy: Any, buf: dict[str, Any]) -> Any:
         return buf.pop("dx")
 
+    def config(self) -> dict[str, Any]:
+        """The logical block: ``tp_comm`` is not recorded (a communicator is not
+        data), so the block rebuilt from it is the whole, unsplit one."""
+        return {"class": "TransformerBlock", "args": {
+            "d_model": self.d_model, "n_heads": self.attn.n_heads,
+            "init_std": self.attn.init_std, "out_std": self.attn.out_std,
+            "eps": self.ln1.eps}}
+
     def __repr__(self) -> str:
         return f"TransformerBlock({self.d_model}, {self.attn!r})"
 
@@ -165,7 +174,7 @@ def _sub(d: dict[str, Any], prefix: str, layer: Layer) -> dict[str, Any]:
     return {name: d[f"{prefix}.{name}"] for name, _ in layer.param_shapes()}
 
 
-class GPT(ShardedSequential):
+class GPT(Described, ShardedSequential):
     """A GPT-style decoder-only language model on one flat parameter vector.
 
     Top-level layers (and tensor names):
@@ -242,6 +251,18 @@ class GPT(ShardedSequential):
         loss = (SoftmaxCrossEntropy() if p == 1
                 else VocabParallelCrossEntropy(vocab_size, self.tp_comm))
         super().__init__(layers, loss, dtype=dtype, xp=xp, seed=seed, stage_layers=stage_layers)
+
+    def config(self) -> dict[str, Any]:
+        """The whole model as JSON (:func:`~mpishard.nn.model_from_config` builds it).
+
+        ``tp_comm`` and ``stage_layers`` are not recorded: a checkpoint holds the
+        logical tensors of every stage, and the record describes that model, which
+        one process rebuilds whole.
+        """
+        return {"class": "GPT", "args": {
+            "vocab_size": self.vocab_size, "seq_len": self.seq_len, "d_model": self.d_model,
+            "n_heads": self.n_heads, "n_layers": self.n_layers, "dtype": self.dtype.name,
+            "seed": self.seed}}
 
     @staticmethod
     def num_layers_of(n_layers: int) -> int:

@@ -85,6 +85,11 @@ class Linear(Layer):
         self.xp.matmul(dy, self.params["weight"].T, out=dx)
         return dx
 
+    def config(self) -> dict[str, Any]:
+        return {"class": "Linear", "args": {"in_features": self.in_features,
+                                            "out_features": self.out_features,
+                                            "bias": self.bias}}
+
     def __repr__(self) -> str:
         return f"Linear({self.in_features}, {self.out_features}, bias={self.bias})"
 
@@ -170,6 +175,9 @@ class LayerNorm(Layer):
         dy -= m1
         dy *= buf["rstd"]
         return dy
+
+    def config(self) -> dict[str, Any]:
+        return {"class": "LayerNorm", "args": {"features": self.features, "eps": self.eps}}
 
     def __repr__(self) -> str:
         return f"LayerNorm({self.features}, eps={self.eps})"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -57,4 +58,11 @@ class MLP(Sequential):
                 layers.append(Dropout(dropout, seed=seed))
         layers.append(Linear(sizes[-2], sizes[-1]))
         self.sizes = sizes
+        self._options = {"activation": activation, "loss": loss,
+                         "layer_norm": bool(layer_norm), "dropout": float(dropout)}
         super().__init__(layers, _LOSSES[loss](), dtype=dtype, xp=xp, seed=seed)
+
+    def config(self) -> dict[str, Any]:
+        """``{"class": "MLP", "args": ...}``: the constructor's arguments but ``xp``."""
+        return {"class": "MLP", "args": {"sizes": list(self.sizes), **self._options,
+                                         "dtype": self.dtype.name, "seed": self.seed}}

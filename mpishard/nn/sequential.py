@@ -1,14 +1,17 @@
-"""A stack of layers over one flat parameter vector: the library's :class:`~mpishard.protocols.BucketedModel`."""
+"""Layers in order over one flat vector: a :class:`~mpishard.protocols.BucketedModel`."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import copy
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from ..backend import array_namespace
 from .base import Layer
 from .losses import Loss
-from .model_file import ModelFileMethods
+from .model_methods import ModelMethods, layer_metadata
 from .sharding import ShardedSequential
 
 __all__ = [
@@ -16,11 +19,12 @@ __all__ = [
 ]
 
 
-class Sequential(ModelFileMethods, ShardedSequential):
+class Sequential(ModelMethods, ShardedSequential):
     """Layers applied in order, then a loss; parameters in one flat vector.
 
     The whole model of :class:`~mpishard.nn.sharding.ShardedSequential` (no
-    pipeline stage, no tensor parallelism), plus the model-file methods. The
+    pipeline stage, no tensor parallelism), plus the single-process model API
+    (:class:`~mpishard.nn.model_methods.ModelMethods`; files: :mod:`mpishard.models`). The
     layout names tensors ``"<index>.<name>"`` by the layer's position in
     ``layers`` (``"0.weight"``, ``"0.bias"``, ``"2.weight"``), in forward order.
     ``params`` and ``grads`` are two flat vectors of ``layout.size`` elements;
@@ -46,25 +50,36 @@ class Sequential(ModelFileMethods, ShardedSequential):
                  xp: Any = np, seed: int = 0) -> None:
         super().__init__(layers, loss, dtype, xp, seed)
 
-    def predict(self, x: Any) -> Any:
-        """The output for ``x``, as :meth:`forward` (dropout off)."""
-        from ..checkpoint.model_api import predict
+    def config(self) -> dict[str, Any] | None:
+        """``{"class": "Sequential", "args": {"layers", "loss", "dtype", "seed"}}``, the
+        layers and the loss by their own :meth:`~mpishard.nn.Layer.config`; None if
+        one of them cannot describe itself. ``xp`` is not recorded: the loader chooses."""
+        layers = [layer.config() for layer in self.all_layers]
+        loss = self.criterion.config()
+        if loss is None or any(c is None for c in layers):
+            return None
+        return {"class": "Sequential", "args": {"layers": layers, "loss": loss,
+                                                "dtype": self.dtype.name, "seed": self.seed}}
 
-        return predict(self, x)
+    def get_model_metadata(self) -> dict[str, Any]:
+        """As :meth:`ModelMethods.get_model_metadata`, plus ``"layers"``: each layer's
+        type, tensor shapes and parameter count."""
+        return {**super().get_model_metadata(), "layers": layer_metadata(self.layers)}
 
-    @classmethod
-    def from_file(cls, path: Any, xp: Any = np) -> Sequential:
-        """A new model rebuilt from the architecture a model file records."""
-        from ..checkpoint.model_api import load_model
-
-        return load_model(path, xp=xp)
-
-    @classmethod
-    def from_bytes(cls, data: bytes, xp: Any = np) -> Sequential:
-        """A new model rebuilt from :meth:`serialize` bytes."""
-        from ..checkpoint.model_api import model_from_bytes
-
-        return model_from_bytes(data, xp=xp)
+    def clone(self) -> Sequential:
+        """An independent copy: same class, layers, parameters and history (and a
+        subclass's own attributes, e.g. ``MLP.sizes``)."""
+        xp = array_namespace(self.params)
+        memo = {id(np): np, id(xp): xp}   # modules cannot be deep-copied
+        layers = copy.deepcopy(self.layers, memo)
+        loss = copy.deepcopy(self.criterion, memo)
+        new = type(self).__new__(type(self))
+        Sequential.__init__(new, layers, loss, dtype=self.dtype, xp=self.xp, seed=self.seed)
+        for key, value in self.__dict__.items():   # a subclass's own (MLP.sizes), the history
+            if key not in new.__dict__:
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        new.params[...] = self.params
+        return new
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(layer) for layer in self.layers)

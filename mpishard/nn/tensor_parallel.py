@@ -27,17 +27,18 @@ communicate nothing; their parameters and results equal those of
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
-from ..comm import FlatComm
+from ..comm import FlatComm, from_comm
 from .activations import GELU, ReLU, Tanh
 from .base import BatchContext, Layer, finish_gradient, store_gradient
 from .dropout import Dropout
 from .layers import LayerNorm, Linear
 from .losses import Loss, MSELoss, SoftmaxCrossEntropy
+from .model_methods import Described
 from .sharding import ShardedSequential, TensorShard, split_range
 
 __all__ = [
@@ -57,12 +58,13 @@ def tensor_parallel_comm(comm: Any) -> FlatComm | None:
     Raises:
         TypeError: anything else.
     """
-    if comm is None or isinstance(comm, FlatComm):
-        return comm
-    if isinstance(comm, MPI.Intracomm):
-        return FlatComm(comm, "tensor-parallel")
-    raise TypeError(f"expecting a FlatComm, an MPI intra-communicator or None as tp_comm, "
-                    f"got {type(comm).__name__}")
+    if comm is None:
+        return None
+    try:
+        return from_comm(comm, "tensor-parallel")
+    except TypeError:
+        raise TypeError(f"expecting a FlatComm, an MPI intra-communicator or None as tp_comm, "
+                        f"got {type(comm).__name__}") from None
 
 
 def check_tensor_parallel(tp_comm: FlatComm | None, problem: str | None) -> None:
@@ -213,6 +215,14 @@ class ColumnParallelLinear(Layer):
             pending.wait()
         return buf["dx"]
 
+    def config(self) -> dict[str, Any]:
+        """The logical layer: ``tp_comm`` is not recorded (a communicator is not
+        data), so the layer rebuilt from it is the whole, unsplit one."""
+        return {"class": "ColumnParallelLinear", "args": {
+            "in_features": self.in_features, "out_features": self.out_features,
+            "bias": self.bias, "reduce_input_grad": self.reduce_input_grad,
+            "init_std": self.init_std}}
+
     def __repr__(self) -> str:
         return (f"ColumnParallelLinear({self.in_features}, {self.out_features}, "
                 f"tp={self.tp_rank}/{self.tp_size}, bias={self.bias})")
@@ -305,6 +315,13 @@ class RowParallelLinear(Layer):
         self.xp.matmul(dy, self.params["weight"].T, out=dx)
         return dx
 
+    def config(self) -> dict[str, Any]:
+        """The logical layer: ``tp_comm`` is not recorded (a communicator is not
+        data), so the layer rebuilt from it is the whole, unsplit one."""
+        return {"class": "RowParallelLinear", "args": {
+            "in_features": self.in_features, "out_features": self.out_features,
+            "bias": self.bias, "init_std": self.init_std}}
+
     def __repr__(self) -> str:
         return (f"RowParallelLinear({self.in_features}, {self.out_features}, "
                 f"tp={self.tp_rank}/{self.tp_size}, bias={self.bias})")
@@ -394,6 +411,11 @@ class VocabParallelCrossEntropy(Loss):
         e *= scale
         return loss, e
 
+    def config(self) -> dict[str, Any]:
+        """The logical loss: ``tp_comm`` is not recorded (a communicator is not
+        data), so the loss rebuilt from it works on the whole, unsplit vocabulary."""
+        return {"class": "VocabParallelCrossEntropy", "args": {"vocab_size": self.vocab_size}}
+
     def __repr__(self) -> str:
         return (f"VocabParallelCrossEntropy({self.vocab_size}, "
                 f"tp={self.tp_rank}/{self.tp_size}, vocab={list(self.vocab)})")
@@ -433,7 +455,7 @@ _ACTIVATIONS: dict[str, type[Layer]] = {"gelu": GELU, "relu": ReLU, "tanh": Tanh
 _LOSSES: dict[str, type[Loss]] = {"cross_entropy": SoftmaxCrossEntropy, "mse": MSELoss}
 
 
-class ParallelMLP(ShardedSequential):
+class ParallelMLP(Described, ShardedSequential):
     """:class:`~mpishard.nn.MLP`, tensor-parallel over ``tp_comm`` and/or one pipeline stage.
 
     Same arguments, layers, tensor names and initial values as ``MLP(sizes,
@@ -505,5 +527,17 @@ class ParallelMLP(ShardedSequential):
             elif dropout:
                 layers.append(Dropout(dropout, seed=seed))
         self.sizes = sizes
+        self._options = {"activation": activation, "loss": loss,
+                         "layer_norm": bool(layer_norm), "dropout": float(dropout)}
         super().__init__(layers, _LOSSES[loss](), dtype=dtype, xp=xp, seed=seed,
                          stage_layers=stage_layers)
+
+    def config(self) -> dict[str, Any]:
+        """The whole model as JSON (:func:`~mpishard.nn.model_from_config` builds it).
+
+        ``tp_comm`` and ``stage_layers`` are not recorded: a checkpoint holds the
+        logical tensors of every stage, and the record describes that model, which
+        one process rebuilds whole (it is then ``MLP(sizes, ...)``'s twin).
+        """
+        return {"class": "ParallelMLP", "args": {"sizes": list(self.sizes), **self._options,
+                                                 "dtype": self.dtype.name, "seed": self.seed}}
