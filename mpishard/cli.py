@@ -6,26 +6,24 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["environment_info", "main"]
 
 
 def environment_info() -> dict[str, object]:
     """What this process sees: MPI library, world size, h5py, CuPy, CUDA-awareness."""
-    from mpi4py import MPI
-
     import numpy
 
     from . import __version__
-    from .comm.cuda import cuda_aware_reason
+
+    # Imported here, not at the top: importing mpishard.comm initialises MPI, and
+    # only the commands that run as MPI ranks may (``mpishard run`` starts mpirun).
+    from .comm import cuda_aware_reason, mpi_library_info
 
     info: dict[str, object] = {
         "mpishard": __version__,
-        "mpi_library": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
-        "mpi_standard": "%d.%d" % MPI.Get_version(),
-        "mpi4py": __import__("mpi4py").__version__,
-        "world_size": MPI.COMM_WORLD.Get_size(),
+        **mpi_library_info(),
         "numpy": numpy.__version__,
         "threads_per_rank": os.environ.get("OMP_NUM_THREADS", "unset"),
     }
@@ -57,10 +55,10 @@ def environment_info() -> dict[str, object]:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from mpi4py import MPI
+    from .comm import world_rank  # initialises MPI: see environment_info
 
     info = environment_info()
-    if MPI.COMM_WORLD.Get_rank() != 0:
+    if world_rank() != 0:
         return 0
     if args.json:
         print(json.dumps(info))
@@ -125,9 +123,13 @@ def _ckpt_inspect(args: argparse.Namespace) -> int:
         rows.append(("data", f"epoch {data['epoch']}, {data['samples_consumed']} of "
                              f"{data['num_samples']} samples consumed, batch {data['batch_size']}, "
                              f"seed {data['seed']}, shuffle {data['shuffle']}"))
-    if report["architecture"] is not None:
-        layers = ", ".join(layer["type"] for layer in report["architecture"]["layers"])
-        rows.append(("architecture", f"{report['architecture']['class']}: {layers}"))
+    arch = report["architecture"]
+    if arch is not None:   # version 1 lists {"type", "args"} layers; 2 is {"class", "args"}
+        given = arch.get("args", {})
+        layers = arch.get("layers", given.get("layers"))
+        detail = (", ".join(x.get("class", x.get("type")) for x in layers) if layers
+                  else ", ".join(f"{k}={json.dumps(v)}" for k, v in given.items()))
+        rows.append(("architecture", f"{arch['class']}: {detail}"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
@@ -196,9 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         # Every rank finds the same problem in the same arguments: only rank 0
         # says it, and no rank is left waiting in a collective.
-        from mpi4py import MPI
+        from .comm import world_rank  # initialises MPI: see environment_info
 
-        if MPI.COMM_WORLD.Get_rank() == 0:
+        if world_rank() == 0:
             print(f"mpishard: error: {exc}", file=sys.stderr)
         return 2
 

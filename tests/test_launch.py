@@ -62,6 +62,10 @@ def test_info_command(mpirun):
     assert "Open MPI" in out and "world_size" in out and "h5py_mpi" in out
     assert "cuda_aware_mpi" in out
     assert out.count("world_size") == 1   # rank 0 prints
+    assert re.search(r"^world_size\s+2$", out, re.MULTILINE), out
+    # What MPI granted (mpi4py asks for "multiple"; Open MPI 4.1 grants it).
+    assert re.search(r"^mpi_thread_level\s+(single|funneled|serialized|multiple)$", out,
+                     re.MULTILINE), out
 
 
 def test_mpirun_helper_sets_mpienv_and_kills_a_hung_job(mpirun, monkeypatch):

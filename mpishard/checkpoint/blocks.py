@@ -15,7 +15,7 @@ array that holds it. Pure arithmetic: nothing here imports MPI or h5py.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = [
     "Block",

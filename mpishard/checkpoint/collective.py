@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
+from ..comm import FlatComm
 from ..errors import CheckpointError
 
 __all__ = ["DRIVER_ENV", "agree_error", "resolve_driver"]
@@ -20,30 +20,31 @@ _PASSED = {cls.__name__: cls for cls in (CheckpointError, FileNotFoundError, Val
 _warned: list[str] = []
 
 
-def agree_error(comm: Any, error: BaseException | None) -> None:
+def agree_error(comm: FlatComm | None, error: BaseException | None) -> None:
     """Raise on every rank of ``comm`` the error of the lowest rank that has one.
 
     Every rank passes its own finding (``None`` when all is well). The message is
     the failing rank's, unchanged (messages name the file; a rank-local failure
     says its rank itself); its type is kept for :class:`CheckpointError`,
     ``FileNotFoundError``, ``ValueError`` and ``TypeError`` and becomes
-    :class:`CheckpointError` otherwise, on every rank alike. Collective over ``comm``.
+    :class:`CheckpointError` otherwise, on every rank alike. ``None``: this
+    process alone. Collective over ``comm``, under its timeout.
+
+    (:meth:`FlatComm.agree <mpishard.comm.FlatComm.agree>` raises one type and
+    prefixes the rank; the checkpoint's callers catch ``FileNotFoundError`` and
+    its messages already name the file and the rank where that matters.)
     """
-    size = 1 if comm is None else comm.Get_size()
-    if size == 1:
+    if comm is None or comm.size == 1:
         if error is not None:
             raise _portable(error) from error
         return
-    from mpi4py import MPI
-
-    rank = comm.Get_rank()
-    first = comm.allreduce(rank if error is not None else size, op=MPI.MIN)
-    if first == size:
+    first = comm.allreduce(comm.rank if error is not None else comm.size, op="min")
+    if first == comm.size:
         return
-    portable = _portable(error) if rank == first else None
-    kind, text = comm.bcast((type(portable).__name__, str(portable)) if rank == first else None,
-                            root=first)
-    if rank == first:
+    portable = _portable(error) if comm.rank == first else None
+    mine = None if portable is None else (type(portable).__name__, str(portable))
+    kind, text = comm.bcast(mine, root=first)
+    if portable is not None:
         raise portable from error
     raise _PASSED[kind](text)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ..errors import CheckpointError
 

@@ -106,19 +106,20 @@ class CheckpointManager:
         comm = Placement.of(model, as_strategy(optimizer), comm).world
         if step is None:
             step = optimizer.step_count if optimizer is not None else 0
-        error = None
-        if comm.Get_rank() == 0:
-            try:
-                os.makedirs(self.folder, exist_ok=True)
-                self._remove_temporaries()
-            except OSError as exc:
-                error = CheckpointError(f"{self.folder}: cannot create the folder: {exc}")
-        agree_error(comm, error)
-        path = save_checkpoint(self.path(step), model, optimizer, comm=comm,
-                               driver=self.driver, durable=self.durable)
-        if comm.Get_rank() == 0:
-            self._prune()
-        comm.Barrier()   # nobody scans the folder while rank 0 is pruning it
+        with comm.during(f"CheckpointManager.save of {self.path(step)}"):
+            error = None
+            if comm.rank == 0:
+                try:
+                    os.makedirs(self.folder, exist_ok=True)
+                    self._remove_temporaries()
+                except OSError as exc:
+                    error = CheckpointError(f"{self.folder}: cannot create the folder: {exc}")
+            agree_error(comm, error)
+            path = save_checkpoint(self.path(step), model, optimizer, comm=comm,
+                                   driver=self.driver, durable=self.durable)
+            if comm.rank == 0:
+                self._prune()
+            comm.barrier()   # nobody scans the folder while rank 0 is pruning it
         return path
 
     def load_latest(self, model: Any, optimizer: Any = None, *,
@@ -126,11 +127,11 @@ class CheckpointManager:
         """Load the latest checkpoint, if there is one (rank 0 scans, all agree).
         Returns its info, or None when the folder holds none."""
         comm = Placement.of(model, as_strategy(optimizer), comm).world
-        path = self.latest() if comm.Get_rank() == 0 else None
-        path = comm.bcast(path, root=0)
-        if path is None:
-            return None
-        return load_checkpoint(path, model, optimizer, comm=comm)
+        with comm.during(f"CheckpointManager.load_latest from {self.folder}"):
+            path = comm.bcast(self.latest() if comm.rank == 0 else None, root=0)
+            if path is None:
+                return None
+            return load_checkpoint(path, model, optimizer, comm=comm)
 
     def _prune(self) -> None:
         if self.keep is None:

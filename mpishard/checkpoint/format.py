@@ -86,7 +86,7 @@ class CheckpointInfo:
     schedule: dict[str, Any] | None
     optimizer: dict[str, Any] | None    # hyperparameters, "name" included
     state_names: list[str]
-    data: dict[str, Any] | None         # sampler position
+    data: dict[str, Any] | None         # data position (a strategy's data_position)
     order: list[str]                    # parameter names in flat-vector order
     tensors: dict[str, TensorRecord] = field(default_factory=dict)   # by path
     architecture: dict[str, Any] | None = None

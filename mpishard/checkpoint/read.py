@@ -21,12 +21,14 @@ The caller reads into staging arrays and commits them to the model only after
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from ..comm import FlatComm
 from ..errors import CheckpointError
 from .blocks import Block, block_shape, block_size
 from .checksum import Checksum, block_checksum
@@ -76,14 +78,15 @@ def read_info_local(path: str | os.PathLike) -> CheckpointInfo:
         return read_info(f, name)
 
 
-def open_checkpoint(path: str | os.PathLike, comm: Any) -> CheckpointInfo:
-    """The checked header of ``path``, on every rank. Collective over ``comm``.
+def open_checkpoint(path: str | os.PathLike, comm: FlatComm | None) -> CheckpointInfo:
+    """The checked header of ``path``, on every rank. Collective over ``comm``
+    (``None``: this process alone).
 
     Raises:
         FileNotFoundError: no such file (on every rank).
         CheckpointError: truncated, damaged, foreign, unknown version (on every rank).
     """
-    rank = 0 if comm is None else comm.Get_rank()
+    rank = 0 if comm is None else comm.rank
     info, error = None, None
     if rank == 0:
         try:
@@ -93,7 +96,7 @@ def open_checkpoint(path: str | os.PathLike, comm: Any) -> CheckpointInfo:
         except Exception as exc:   # never let one rank die alone
             error = CheckpointError(f"{os.fspath(path)}: cannot read: {exc}")
     agree_error(comm, error)
-    if comm is not None and comm.Get_size() > 1:
+    if comm is not None:
         info = comm.bcast(info, root=0)
     return info
 
@@ -112,9 +115,10 @@ def _check(request: ReadRequest, path: str) -> str | None:
     return None
 
 
-def read_blocks(info: CheckpointInfo, comm: Any, requests: Sequence[ReadRequest],
+def read_blocks(info: CheckpointInfo, comm: FlatComm | None, requests: Sequence[ReadRequest],
                 opener: Callable[[], Any] | None = None) -> None:
-    """Read every rank's ``requests`` and verify the checksums. Collective over ``comm``.
+    """Read every rank's ``requests`` and verify the checksums. Collective over ``comm``
+    (``None``: this process alone).
 
     ``opener`` returns the open h5py file (default: :func:`open_h5` of ``info.path``).
 
@@ -123,8 +127,6 @@ def read_blocks(info: CheckpointInfo, comm: Any, requests: Sequence[ReadRequest]
             checksum does not match (naming the file and the datasets), or when
             the verified requests do not cover a dataset exactly once.
     """
-    from mpi4py import MPI
-
     path = info.path
     paths = list(info.tensors)
     index = {p: i for i, p in enumerate(paths)}
@@ -135,7 +137,7 @@ def read_blocks(info: CheckpointInfo, comm: Any, requests: Sequence[ReadRequest]
         if problem:
             error = CheckpointError(problem)
             break
-    rank = 0 if comm is None else comm.Get_rank()
+    rank = 0 if comm is None else comm.rank
     counts = np.zeros(len(paths), dtype=np.int64)
     sums = [Checksum()] * len(paths)
     if error is None:
@@ -167,9 +169,10 @@ def read_blocks(info: CheckpointInfo, comm: Any, requests: Sequence[ReadRequest]
             pool.shutdown(wait=True)
     agree_error(comm, error)
     table = np.array([s.to_array() for s in sums], dtype=np.uint64).reshape(len(paths), 2)
-    if comm is not None and comm.Get_size() > 1:
-        comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
-        comm.Allreduce(MPI.IN_PLACE, table, op=MPI.SUM)
+    if comm is not None and comm.size > 1:
+        comm.Allreduce(counts, slot="checkpoint-counts")
+        # MPI_SUM on unsigned 64-bit integers wraps modulo 2**64, as the checksum does.
+        comm.Allreduce(table, slot="checkpoint-checksums")
     partial = [p for p, c in zip(paths, counts) if c and c != info.tensors[p].size]
     if partial:
         raise CheckpointError(f"{path}: internal error: verified reads cover "

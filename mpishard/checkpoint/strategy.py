@@ -40,8 +40,11 @@ import numpy as np
 
 from .._version import __version__
 from ..backend import array_namespace, is_device_array, to_numpy
+from ..comm import FlatComm, from_comm
 from ..errors import CheckpointError
 from ..flat import ParamLayout, Range, shard_ranges
+from ..nn.sharding import tensor_shards
+from ..protocols import DescribedModel
 from .blocks import block_shape, block_size, flat_blocks
 from .checksum import ALGORITHM
 from .collective import agree_error
@@ -60,14 +63,16 @@ class Placement:
 
     ``world``: the whole job (every collective of a save or load);
     ``dp``: the ranks holding the same shard (parameters are split among them
-    to be written and read, then gathered); ``tp_rank``: a tensor replicated over
+    to be written and read, then gathered); both are the groups'
+    :class:`~mpishard.comm.FlatComm` (``None``: one process, no MPI);
+    ``tp_rank``: a tensor replicated over
     the tensor group is written and verified by tensor rank 0 only;
     ``pp_rank``: orders the stages' tensors; ``shards``: each local tensor's
     :class:`~mpishard.nn.sharding.TensorShard`, by local name.
     """
 
-    world: Any
-    dp: Any
+    world: FlatComm | None
+    dp: FlatComm | None
     tp_rank: int
     pp_rank: int
     shards: dict[str, Any]
@@ -75,36 +80,34 @@ class Placement:
     @classmethod
     def of(cls, model: Any, strategy: Any = None, comm: Any = None) -> Placement:
         """The placement of ``model`` under ``strategy`` (or, without one, its own
-        configuration if it is a model-parallel model, else ``comm`` as one data group)."""
-        from ..nn.sharding import tensor_shards
+        configuration if it is a model-parallel model, else ``comm`` as one data group).
 
+        ``comm``: a :class:`~mpishard.comm.FlatComm`, an MPI intra-communicator
+        (wrapped once here, as the group "checkpoint", without a timeout), or
+        ``None`` for ``MPI.COMM_WORLD``; ignored when a configuration decides.
+        """
         config = strategy.config if strategy is not None else getattr(model, "config", None)
         if config is not None and hasattr(config, "groups") and (
                 strategy is not None or hasattr(model, "tensor_shards")):
             groups = config.groups
-            dp = strategy.dp.comm if strategy is not None else groups.dp.comm
+            dp = strategy.dp if strategy is not None else groups.dp
             c = groups.coordinates
-            return cls(groups.world.comm, dp, c.tp, c.pp, tensor_shards(model))
-        if comm is None:
-            from mpi4py import MPI
-
-            comm = MPI.COMM_WORLD
-        return cls(comm, comm, 0, 0, tensor_shards(model))
+            return cls(groups.world, dp, c.tp, c.pp, tensor_shards(model))
+        flat = from_comm(comm, "checkpoint")
+        return cls(flat, flat, 0, 0, tensor_shards(model))
 
     @classmethod
     def single(cls, model: Any) -> Placement:
         """One process holding the whole model (no MPI)."""
-        from ..nn.sharding import tensor_shards
-
         return cls(None, None, 0, 0, tensor_shards(model))
 
     @property
     def dp_rank(self) -> int:
-        return 0 if self.dp is None else self.dp.Get_rank()
+        return 0 if self.dp is None else self.dp.rank
 
     @property
     def dp_size(self) -> int:
-        return 1 if self.dp is None else self.dp.Get_size()
+        return 1 if self.dp is None else self.dp.size
 
     def key(self, ordinal: int) -> int:
         """The place in the whole model's order of the local tensor at ``ordinal``
@@ -193,13 +196,25 @@ def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
-def _sampler_record(sampler: Any) -> dict[str, int] | None:
-    if sampler is None:
+#: The keys of a strategy's ``data_position`` (all ints), stored as ``/data``.
+DATA_POSITION_KEYS = ("epoch", "samples_consumed", "seed", "batch_size", "num_samples", "shuffle")
+
+
+def _data_record(strategy: Any) -> dict[str, int] | None:
+    """The strategy's ``data_position`` (kept current by the training loop) as
+    the ``/data`` attributes, or None when it has none.
+
+    Raises:
+        ValueError: a position without one of the keys.
+    """
+    position = getattr(strategy, "data_position", None)
+    if position is None:
         return None
-    s = sampler.state
-    return {"epoch": int(s.epoch), "samples_consumed": int(s.samples_consumed),
-            "seed": int(s.seed), "batch_size": int(sampler.batch_size),
-            "num_samples": int(sampler.num_samples), "shuffle": int(bool(sampler.shuffle))}
+    missing = [k for k in DATA_POSITION_KEYS if k not in position]
+    if missing:
+        raise ValueError(f"strategy.data_position lacks {missing}: expecting the keys "
+                         f"{list(DATA_POSITION_KEYS)}, got {sorted(position)}")
+    return {k: int(position[k]) for k in DATA_POSITION_KEYS}
 
 
 def root_attrs(kind: str, step: int, epoch: int, world: int, dp: int, tp: int, pp: int,
@@ -216,11 +231,12 @@ def root_attrs(kind: str, step: int, epoch: int, world: int, dp: int, tp: int, p
 
 
 def model_attrs(model: Any) -> dict[str, Any] | None:
-    """``/model`` attributes: the architecture (when known) and the metadata."""
-    from .model_api import describe_architecture, training_metadata
-
-    arch = describe_architecture(model)
-    meta = training_metadata(model)
+    """``/model`` attributes: the architecture (when known) and the metadata, from a
+    :class:`~mpishard.protocols.DescribedModel` (None for any other model)."""
+    if not isinstance(model, DescribedModel):
+        return None
+    arch = model.architecture()
+    meta = model.training_metadata()
     if arch is None and meta is None:
         return None
     return {"class": type(model).__name__, "architecture": _json(arch), "metadata": _json(meta)}
@@ -238,12 +254,15 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
 
     With a strategy (``DDPOptimizer``, ``ZeRO2Optimizer``,
     ``HybridShardedOptimizer``) as ``optimizer``: the parameters, the optimizer
-    state, the step, the epoch and data position of its sampler, its
+    state, the step, its ``data_position`` (epoch, samples consumed, ...), its
     learning-rate schedule and the layout; collective over the whole job
-    (``strategy.config.comm``). Each rank writes its share of its parameters and
-    its part of the state, as logical tensors. With ``optimizer=None`` only the
-    parameters, collective over ``comm`` (``MPI.COMM_WORLD`` by default; a
-    model-parallel model's own configuration when it has one).
+    (``strategy.config.world``, under its timeout: a rank that does not take
+    part is named, with the call and the group, instead of a hang). Each rank
+    writes its share of its parameters and its part of the state, as logical
+    tensors. With ``optimizer=None`` only the parameters, collective over
+    ``comm`` (a :class:`~mpishard.comm.FlatComm` or an MPI communicator;
+    ``MPI.COMM_WORLD`` by default; a model-parallel model's own configuration
+    when it has one).
 
     ``driver``: ``"auto"`` (parallel HDF5 when h5py has MPI, else through rank 0;
     ``MPISHARD_CHECKPOINT_DRIVER`` overrides), ``"mpio"`` or ``"serial"``.
@@ -259,10 +278,25 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     """
     strategy = as_strategy(optimizer)
     place = Placement.of(model, strategy, comm)
+    with place.world.during(f"save_checkpoint({os.fspath(path)})"):
+        return _save(path, model, strategy, place, driver, durable)
+
+
+def _save(path: str | os.PathLike, model: Any, strategy: Any, place: Placement, driver: str,
+          durable: bool) -> str:
     world = place.world
-    agree_error(world, ValueError(f"{os.fspath(path)}: the model is not the one attached to "
-                                  f"the strategy (attach it, or pass strategy.model)")
-                if strategy is not None and strategy.model is not model else None)
+    # The first call of a save is this agreement, under the timeout: a rank that
+    # does not come is named here, before any HDF5 collective (which cannot be timed).
+    problem = None
+    if strategy is not None and strategy.model is not model:
+        problem = ValueError(f"{os.fspath(path)}: the model is not the one attached to "
+                             f"the strategy (attach it, or pass strategy.model)")
+    elif strategy is not None:
+        try:
+            _data_record(strategy)
+        except ValueError as exc:
+            problem = exc
+    agree_error(world, problem)
     layout: ParamLayout = model.layout
     n, dtype = layout.size, np.dtype(model.params.dtype)
     share = shard_ranges(n, place.dp_size)[place.dp_rank]
@@ -271,18 +305,17 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
                            _local(model.params[share.start:share.stop]), share.start, share)
     attrs: dict[str, dict[str, Any]] = {PARAMS: {}}
     if strategy is None:
-        from .model_api import training_metadata
-
-        steps = (training_metadata(model) or {}).get("steps", 0)
-        size = world.Get_size()
+        meta = model.training_metadata() if isinstance(model, DescribedModel) else None
+        steps = (meta or {}).get("steps", 0)
+        size = world.size
         attrs["/"] = root_attrs("training", steps, 0, size, size, 1, 1, "none", dtype)
     else:
         topo = strategy.config.topology
-        record = _sampler_record(strategy.sampler)
+        record = _data_record(strategy)
         schedule = strategy.schedule
         attrs["/"] = root_attrs("training", strategy.step_count,
                                 record["epoch"] if record else 0,
-                                strategy.config.comm.Get_size(), topo.dp, topo.tp, topo.pp,
+                                world.size, topo.dp, topo.tp, topo.pp,
                                 strategy.strategy, dtype,
                                 schedule.to_dict() if hasattr(schedule, "to_dict") else None)
         # Where the schedule is: the step, and the learning rate it gave there.
@@ -350,31 +383,28 @@ def _state_problem(info: CheckpointInfo, strategy: Any) -> str | None:
     if list(state) != info.state_names:
         return (f"{info.path}: optimizer state {info.state_names} in the file, "
                 f"{list(state)} in {name} (different hyperparameters, e.g. momentum?)")
-    data, sampler = info.data, strategy.sampler
-    if data is not None and sampler is not None and sampler.num_samples != data["num_samples"]:
-        return (f"{info.path}: the data position is for {data['num_samples']} samples, "
-                f"the strategy's sampler has {sampler.num_samples}")
     return None
 
 
-def _allgather_into(comm: Any, stage: np.ndarray, dest: Any, shares: list[Range]) -> None:
-    """``dest`` (the full vector, NumPy or CuPy) from every rank's ``stage`` (its share)."""
+def _allgather_into(comm: FlatComm | None, stage: np.ndarray, dest: Any,
+                    shares: list[Range]) -> None:
+    """``dest`` (the full vector, NumPy or CuPy) from every rank's ``stage`` (its
+    share; ``shares`` are consecutive). Collective over ``comm``.
+
+    Gathered on the host and copied to a device ``dest`` once: a staging buffer
+    of the model's size kept by the communicator would outlive the load.
+    """
     host = dest if not is_device_array(dest) else np.empty(dest.shape, dtype=dest.dtype)
-    if comm is None or comm.Get_size() == 1:
+    if comm is None or comm.size == 1:
         host[...] = stage
     elif dest.size < 2**31:
-        from mpi4py.util.dtlib import from_numpy_dtype
-
-        counts = [len(s) for s in shares]
-        displs = [s.start for s in shares]
-        comm.Allgatherv(stage, [host, (counts, displs), from_numpy_dtype(host.dtype)])
+        comm.Allgatherv(host, [len(s) for s in shares], slot="checkpoint-load", sendbuf=stage)
     else:   # counts and displacements of MPI-3 are C ints: broadcast by pieces
-        rank = comm.Get_rank()
         for r, s in enumerate(shares):
-            if rank == r:
+            if comm.rank == r:
                 host[s.start:s.stop] = stage
             for at in range(s.start, s.stop, 1 << 30):
-                comm.Bcast(host[at:min(at + (1 << 30), s.stop)], root=r)
+                comm.Bcast(host[at:min(at + (1 << 30), s.stop)], root=r, slot="checkpoint-load")
     if host is not dest:
         array_namespace(dest).copyto(dest, array_namespace(dest).asarray(host))
 
@@ -384,9 +414,9 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     """Load a checkpoint written at any layout into ``model`` (and ``optimizer``).
 
     With a strategy: attaches ``model`` if it is not attached yet, then sets the
-    parameters, the optimizer state (in place), ``step_count`` and the sampler's
-    data position (making a :class:`~mpishard.data.ShardedSampler` if the strategy
-    has none, so that ``optimize()`` with the same batch size goes on from there);
+    parameters, the optimizer state (in place), ``step_count`` and
+    ``data_position`` (the dict of the file's ``/data``, or None when it has
+    none), from which the training loop's sampler goes on;
     collective over the whole job. With ``optimizer=None`` only the parameters,
     collective over ``comm`` (``MPI.COMM_WORLD`` by default). Everything is read
     and verified before anything is changed: on an error the model and optimizer
@@ -401,10 +431,17 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
             optimizer class or state; on every rank, naming the file.
     """
     strategy = as_strategy(optimizer)
-    if strategy is not None and strategy.model is not model:
-        strategy.attach(model)
     place = Placement.of(model, strategy, comm)
+    with place.world.during(f"load_checkpoint({os.fspath(path)})"):
+        if strategy is not None and strategy.model is not model:
+            strategy.attach(model)
+        return _load(path, model, strategy, place)
+
+
+def _load(path: str | os.PathLike, model: Any, strategy: Any, place: Placement) -> CheckpointInfo:
     world = place.world
+    # The first call of a load is the agreement on the header (rank 0 reads it),
+    # under the timeout; loading uses no HDF5 collective (each rank reads alone).
     info = open_checkpoint(os.path.abspath(os.fspath(path)), world)
     layout: ParamLayout = model.layout
     dtype = np.dtype(model.params.dtype)
@@ -413,7 +450,7 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
         problem = _state_problem(info, strategy)
     agree_error(world, CheckpointError(problem) if problem else None)
     names = {s.logical_name for s in place.shards.values()}
-    if world is not None and world.Get_size() > 1:
+    if world is not None and world.size > 1:
         names = set().union(*world.allgather(sorted(names)))
     problem = global_problem(info, names)   # the same on every rank
     if problem:
@@ -458,16 +495,7 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
                 xp = array_namespace(state[s])
                 xp.copyto(state[s], xp.asarray(stage))
         strategy.step_count = info.step
-        if info.data is not None:
-            _restore_sampler(strategy, info.data)
+        # The training loop restores its sampler from this on entry (ints, as kept).
+        strategy.data_position = (None if info.data is None else
+                                  {k: int(info.data[k]) for k in DATA_POSITION_KEYS})
     return info
-
-
-def _restore_sampler(strategy: Any, data: dict[str, Any]) -> None:
-    from ..data import SamplerState, ShardedSampler
-
-    if strategy.sampler is None:
-        strategy.sampler = ShardedSampler(data["num_samples"], data["batch_size"],
-                                          seed=data["seed"], shuffle=data["shuffle"])
-    strategy.sampler.load_state(SamplerState(data["epoch"], data["samples_consumed"],
-                                             data["seed"]))

@@ -23,6 +23,12 @@ Order of a save (collective over ``comm``):
 5. checksums and attributes are written, the file is closed by all;
 6. rank 0 seals the user block, fsyncs, renames to ``path`` and fsyncs the
    folder. A rank that dies before this leaves only the temporary file behind.
+
+Every message between the ranks goes through a
+:class:`~mpishard.comm.FlatComm` under its timeout, so a rank that does not
+take part is named with the call and the group; HDF5's own collectives (step 3,
+``mpio``) are entered behind a timed barrier and under a deadline
+(:func:`~mpishard.comm.hdf5_deadline`).
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ import json
 import math
 import os
 import secrets
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
+from ..comm import FlatComm, hdf5_deadline
 from ..errors import CheckpointError
 from .blocks import Block, block_shape, block_size, split_block
 from .checksum import Checksum, block_checksum
@@ -217,12 +225,16 @@ def write_image(tensors: Sequence[LogicalTensor], pieces: Sequence[Piece],
     return bytes(image)
 
 
-def write_checkpoint_file(path: str | os.PathLike, comm: Any, tensors: Sequence[LogicalTensor],
+def write_checkpoint_file(path: str | os.PathLike, comm: FlatComm | None,
+                          tensors: Sequence[LogicalTensor],
                           pieces: Sequence[Piece], attrs: dict[str, dict[str, Any]], *,
                           driver: str = "auto", durable: bool = True,
                           order_groups: Sequence[str] = ()) -> str:
     """Write a sealed checkpoint file at ``path``, atomically. Collective over ``comm``
-    (``None``: this process alone).
+    (``None``: this process alone), under its timeout: the write runs on a
+    duplicate of ``comm`` named "checkpoint", so its messages never meet the
+    caller's, and HDF5's own collectives are entered only once every rank has
+    arrived, with a deadline (:func:`~mpishard.comm.hdf5_deadline`).
 
     ``tensors`` are the datasets this rank knows of, ``pieces`` what it writes;
     ``attrs`` maps a group (``"/"``, ``"params"``, ``"optimizer"``, ...) to its
@@ -239,23 +251,22 @@ def write_checkpoint_file(path: str | os.PathLike, comm: Any, tensors: Sequence[
         ValueError: an unknown ``driver``.
     """
     final = os.path.abspath(os.fspath(path))
-    size = 1 if comm is None else comm.Get_size()
-    rank = 0 if comm is None else comm.Get_rank()
+    size = 1 if comm is None else comm.size
+    rank = 0 if comm is None else comm.rank
     mode = resolve_driver(driver, size, rank)
-    private = comm.Dup() if comm is not None else None   # our tags never meet the caller's
+    # Our tags never meet the caller's (Idup: under the timeout).
+    private = comm.dup("checkpoint") if size > 1 else None
     try:
         return _write(final, private, rank, size, mode, tensors, pieces, attrs, durable,
                       tuple(order_groups))
     finally:
         if private is not None:
-            private.Free()
+            private.free()
 
 
-def _write(final: str, comm: Any, rank: int, size: int, mode: str,
+def _write(final: str, comm: FlatComm | None, rank: int, size: int, mode: str,
            tensors: Sequence[LogicalTensor], pieces: Sequence[Piece],
            attrs: dict[str, dict[str, Any]], durable: bool, order_groups: tuple) -> str:
-    from mpi4py import MPI
-
     # 1. the datasets, and whether the pieces fit them
     mine = _declarations(tensors)
     every = comm.allgather(mine) if size > 1 else [mine]
@@ -265,7 +276,7 @@ def _write(final: str, comm: Any, rank: int, size: int, mode: str,
     for p in pieces:
         counts[index[p.tensor.path]] += block_size(p.block)
     if size > 1:
-        comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
+        comm.Allreduce(counts, slot="checkpoint-counts")
     bad = [(t.path, int(c), t.size) for t, c in zip(ordered, counts) if c != t.size]
     if bad:   # the same on every rank after the Allreduce
         what = ", ".join(f"{p} ({c} of {n} elements)" for p, c, n in bad[:3])
@@ -316,14 +327,12 @@ def _write(final: str, comm: Any, rank: int, size: int, mode: str,
     return final
 
 
-def _combined(comm: Any, sums: Any, count: int) -> np.ndarray:
+def _combined(comm: FlatComm | None, sums: Any, count: int) -> np.ndarray:
     """The rank's partial checksums added over ``comm``: ``(count, 2)`` uint64."""
-    from mpi4py import MPI
-
     table = np.array([s.to_array() for s in sums.result()], dtype=np.uint64).reshape(count, 2)
-    if comm is not None and comm.Get_size() > 1:
+    if comm is not None and comm.size > 1:
         # MPI_SUM on unsigned 64-bit integers wraps modulo 2**64, as the checksum does.
-        comm.Allreduce(MPI.IN_PLACE, table, op=MPI.SUM)
+        comm.Allreduce(table, slot="checkpoint-checksums")
     return table
 
 
@@ -360,21 +369,33 @@ def _write_block(d: Any, block: Block, data: np.ndarray) -> None:
     d.write_direct(np.ascontiguousarray(data), dest_sel=block if block else None)
 
 
-def _write_mpio(tmp: str, comm: Any, ub: int, ordered: Sequence[LogicalTensor],
+def _write_mpio(tmp: str, comm: FlatComm, ub: int, ordered: Sequence[LogicalTensor],
                 chunks: Sequence[Piece], attrs: dict, sums: Any, durable: bool):
     import h5py
 
     error = None
-    try:
-        f = h5py.File(tmp, "w", driver="mpio", comm=comm, userblock_size=ub, libver=LIBVER,
-                      alignment_threshold=_ALIGN_THRESHOLD, alignment_interval=_ALIGN)
-    except Exception as exc:
-        error = CheckpointError(f"{tmp}: cannot create on rank {comm.Get_rank()}: {exc}")
+    # HDF5's collectives cannot be timed by FlatComm (h5py holds the GIL inside
+    # them): each is entered after a timed barrier, under a deadline. The data
+    # writes between them are independent I/O, as long as the data is, so no
+    # deadline covers those; the Allreduce after them is timed.
+    with hdf5_deadline(comm, "HDF5 File create (mpio)"):
+        try:
+            # The mpio driver needs the raw MPI communicator: the one handoff
+            # of FlatComm.comm that the library allows (h5py's collectives are
+            # HDF5's own; see hdf5_deadline).
+            f = h5py.File(tmp, "w", driver="mpio", comm=comm.comm, userblock_size=ub,
+                          libver=LIBVER, alignment_threshold=_ALIGN_THRESHOLD,
+                          alignment_interval=_ALIGN)
+        except Exception as exc:
+            error = CheckpointError(f"{tmp}: cannot create on rank {comm.rank}: {exc}")
     agree_error(comm, error)
     extents: list[tuple[int, int]] = []
     writeback = _Writeback(tmp, durable)
+    closed = False
     try:
-        dsets = _create(f, ordered, attrs)
+        # Every rank completed the agreement just above: no barrier needed.
+        with hdf5_deadline(comm, "HDF5 dataset create (mpio)", synchronize=False):
+            dsets = _create(f, ordered, attrs)
         for c in chunks:   # independent I/O: no rank waits for another here
             if error is None:
                 try:
@@ -382,22 +403,33 @@ def _write_mpio(tmp: str, comm: Any, ub: int, ordered: Sequence[LogicalTensor],
                     writeback.wrote(c.data.nbytes)
                 except Exception as exc:
                     error = CheckpointError(f"{tmp}: writing {c.tensor.path} failed on rank "
-                                            f"{comm.Get_rank()}: {exc}")
-        extents = _annotate(ordered, dsets, _combined(comm, sums, len(ordered)))
+                                            f"{comm.rank}: {exc}")
+        table = _combined(comm, sums, len(ordered))
+        with hdf5_deadline(comm, "HDF5 File close (mpio)", synchronize=False):
+            extents = _annotate(ordered, dsets, table)
+            writeback.close()
+            f.close()
+            closed = True
     finally:
         writeback.close()
-        f.close()
+        if not closed:
+            f.close()
     return extents, error
 
 
-def _write_serial(tmp: str, comm: Any, rank: int, size: int, ub: int,
+def _write_serial(tmp: str, comm: FlatComm | None, rank: int, size: int, ub: int,
                   ordered: Sequence[LogicalTensor], chunks: Sequence[Piece], attrs: dict,
                   sums: Any, durable: bool):
     descriptors = [(c.tensor.path, tuple((s.start, s.stop) for s in c.block)) for c in chunks]
     every = comm.gather(descriptors, root=0) if size > 1 else [descriptors]
     if rank != 0:
         for c in chunks:
-            comm.Send(np.ascontiguousarray(c.data), dest=0, tag=_TAG)
+            data = np.ascontiguousarray(c.data)
+            # Not under the timeout: rank 0 receives this piece only after writing
+            # everything before it (its own share and the lower ranks'), which takes
+            # as long as the data does. Rank 0's receives are timed, so a sender
+            # that stops is still named there.
+            comm.Isend(data, dest=0, tag=_TAG).wait(timed=False)
         _combined(comm, sums, len(ordered))
         return [], None
     import h5py
@@ -440,7 +472,7 @@ def _write_serial(tmp: str, comm: Any, rank: int, size: int, ub: int,
         if queue:
             request, view = post(0)
             for k, (_, p, blk) in enumerate(queue):
-                request.Wait()
+                request.wait()
                 current = view
                 if k + 1 < len(queue):
                     request, view = post(k + 1)

@@ -20,7 +20,9 @@ import pickle
 import socket
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -66,9 +68,17 @@ class Handle:
         """Progress the operation; True when it has completed (finish not yet run)."""
         return self.request.Test()
 
-    def wait(self) -> None:
-        """Block until done, then run the completion step (copy back, accumulate)."""
-        self.comm.wait_request(self.request, self.what)
+    def wait(self, *, timed: bool = True) -> None:
+        """Block until done, then run the completion step (copy back, accumulate).
+
+        ``timed=False`` waits without the group's timeout: only for a wait whose
+        length is set by the data another rank must handle first (say why at the
+        call), never for one that only needs the other ranks to arrive.
+        """
+        if timed:
+            self.comm.wait_request(self.request, self.what)
+        else:
+            self.request.Wait()
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
@@ -99,6 +109,7 @@ class FlatComm:
         self._scalar = np.zeros(1, dtype=np.float64)   # reused by allreduce_scalar
         self._int = np.zeros(1, dtype=np.int64)          # reused by allreduce of ints
         self._length = np.zeros(1, dtype=np.int64)       # reused by bcast
+        self._during: list[str] = []                     # what the caller is doing, for messages
 
     # --- waiting ---------------------------------------------------------
     def wait_request(self, request: MPI.Request, what: str) -> None:
@@ -109,10 +120,26 @@ class FlatComm:
         deadline = time.monotonic() + self.timeout
         while not request.Test():
             if time.monotonic() > deadline:
-                self.abort(f"{what} over the {self.name} group (size {self.size}) did not "
-                           f"finish within {self.timeout:g} s; a rank is probably not taking "
-                           f"part (it failed, or its code took another path)")
+                self.abort(f"{self.describe(what)} did not finish within {self.timeout:g} s; "
+                           f"a rank is probably not taking part (it failed, or its code took "
+                           f"another path)")
             time.sleep(0)
+
+    def describe(self, what: str) -> str:
+        """``what`` named as in a timeout message: "Ibcast over the world group
+        (size 4) in save_checkpoint(/runs/c.h5)"."""
+        text = f"{what} over the {self.name} group (size {self.size})"
+        return f"{text} in {self._during[-1]}" if self._during else text
+
+    @contextmanager
+    def during(self, activity: str) -> Iterator[FlatComm]:
+        """Name ``activity`` ("save_checkpoint(/runs/c.h5)") in the timeout
+        messages of the calls made inside the ``with`` block. Local; nests."""
+        self._during.append(activity)
+        try:
+            yield self
+        finally:
+            self._during.pop()
 
     def abort(self, message: str, code: int = 3, detail: str = "") -> None:
         """Print ``message`` naming this rank and abort every rank of the job.
@@ -243,7 +270,8 @@ class FlatComm:
                               f"Irecv from rank {source}")
             return
         host = self._staging_buffer(slot, buf.size, buf.dtype, xp)
-        self.wait_request(self.comm.Irecv(host, source=source, tag=tag), f"Irecv from rank {source}")
+        self.wait_request(self.comm.Irecv(host, source=source, tag=tag),
+                          f"Irecv from rank {source}")
         buf.set(host.reshape(buf.shape))
 
     def _device_direct(self) -> bool:
@@ -346,10 +374,15 @@ class FlatComm:
         where = f"rank {first}" if world == first else f"rank {first} (world rank {world})"
         raise exc_type(f"{where}: {text}")
 
-    def barrier(self) -> None:
-        """Wait for every rank of the group. Collective over the group."""
+    def barrier(self, before: str | None = None) -> None:
+        """Wait for every rank of the group. Collective over the group.
+
+        ``before`` names what comes next in a timeout message ("Ibarrier before
+        HDF5 File create"): a barrier is how a call that cannot be timed (an
+        HDF5 collective) is entered only once every rank has arrived.
+        """
         if self.size > 1:
-            self._timed(self.comm.Ibarrier(), "Ibarrier")
+            self._timed(self.comm.Ibarrier(), f"Ibarrier before {before}" if before else "Ibarrier")
 
     # --- communicators ---------------------------------------------------
     def dup(self, name: str | None = None) -> FlatComm:
@@ -359,7 +392,9 @@ class FlatComm:
             self.wait_request(request, "Idup")
         else:
             comm = self.comm.Dup()
-        return FlatComm(comm, name or self.name, self.timeout, self._cuda_aware)
+        copy = FlatComm(comm, name or self.name, self.timeout, self._cuda_aware)
+        copy._during = list(self._during)
+        return copy
 
     def split(self, color: int, key: int, name: str) -> FlatComm:
         """The sub-group of the ranks with the same ``color``, ordered by ``key``.

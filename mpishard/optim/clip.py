@@ -4,7 +4,7 @@ Clipping by the global norm over ranks takes three steps, the middle one the
 caller's::
 
     local = sum_of_squares(my_grads)                 # this module
-    total = comm.allreduce(local)                    # caller: over the right group
+    total = comm.allreduce_scalar(local)             # caller: the right group's FlatComm
     scale = clip_coefficient(math.sqrt(total), max_norm)
     optimizer.update(params, grads, state, step, lr, grad_scale=scale)
 

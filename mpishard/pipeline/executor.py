@@ -140,8 +140,8 @@ class PipelineStage:
         out = model.forward(h)   # a new array; the full logits on the last stage
         if not model.is_last_stage:
             self.pp.Isend(out, dest=self.stage + 1, tag=0, slot="infer-out").wait()
-        shape = self.pp.comm.bcast(tuple(out.shape) if model.is_last_stage else None,
-                                   root=self.stages - 1)
+        shape = self.pp.bcast(tuple(out.shape) if model.is_last_stage else None,
+                              root=self.stages - 1)
         result = out if model.is_last_stage else model.xp.empty(shape, dtype=model.dtype)
         self.pp.Bcast(result, root=self.stages - 1, slot="infer-result")
         return result

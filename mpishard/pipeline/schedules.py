@@ -33,7 +33,8 @@ def schedule(name: str, stages: int, micro_batches: int, stage: int) -> list[Act
         ValueError: an unknown schedule name or sizes out of range.
     """
     if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+        raise ValueError(f"unknown pipeline schedule {name!r}: "
+                         f"choose one of {', '.join(SCHEDULES)}")
     if stages < 1 or micro_batches < 1 or not 0 <= stage < stages:
         raise ValueError(f"expecting stages >= 1, micro_batches >= 1 and 0 <= stage < stages, "
                          f"got stages={stages}, micro_batches={micro_batches}, stage={stage}")
