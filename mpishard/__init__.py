@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointError",
     "CommunicationError",
     "MpiShardError",
+    "NonFiniteError",
     "ParamLayout",
     "ProcessGroups",
     "Range",
@@ -26,6 +27,7 @@ __all__ = [
 
 _WHERE = {
     "CheckpointError": "errors", "CommunicationError": "errors", "MpiShardError": "errors",
+    "NonFiniteError": "errors",
     "TopologyError": "errors", "ParamLayout": "flat", "Range": "flat",
     "ProcessGroups": "groups", "ShardingConfiguration": "config", "Topology": "topology",
 }

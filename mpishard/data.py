@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ArrayDataset", "BatchSplit", "SamplerState", "ShardedSampler", "split_batch"]
+__all__ = ["ArrayDataset", "BatchSplit", "SamplerState", "ShardedSampler", "rank_rows",
+           "split_batch"]
 
 
 @dataclass(frozen=True)
@@ -79,26 +80,30 @@ class ShardedSampler:
         batch_size: global batch size.
         seed: shuffle seed; epoch ``e`` uses the permutation of ``(seed, e)``.
         shuffle: ``False`` keeps the dataset order.
-
-    The last incomplete batch of an epoch is dropped, so every step sees a full
-    global batch and the loss is the mean over exactly ``batch_size`` samples.
+        drop_last: ``True`` (the default) drops the last incomplete batch of an
+            epoch, so every step sees a full global batch and the loss is the mean
+            over exactly ``batch_size`` samples; ``False`` makes it a last, short
+            batch (:meth:`current_batch_size` says how long).
     """
 
     def __init__(self, num_samples: int, batch_size: int, seed: int = 0,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, drop_last: bool = True) -> None:
         if batch_size > num_samples:
-            raise ValueError(
-                f"global batch size {batch_size} is larger than the dataset ({num_samples} samples)")
+            raise ValueError(f"global batch size {batch_size} is larger than the dataset "
+                             f"({num_samples} samples)")
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.shuffle = shuffle
+        self.drop_last = drop_last
         self.state = SamplerState(seed=seed)
         self._order = np.empty(num_samples, dtype=np.int64)
         self._order_epoch = -1
 
     @property
     def batches_per_epoch(self) -> int:
-        return self.num_samples // self.batch_size
+        if self.drop_last:
+            return self.num_samples // self.batch_size
+        return -(-self.num_samples // self.batch_size)
 
     def order(self, epoch: int) -> np.ndarray:
         """The sample order of ``epoch`` (cached: one permutation per epoch)."""
@@ -112,8 +117,15 @@ class ShardedSampler:
         return self._order
 
     def remaining_in_epoch(self) -> int:
-        """Full global batches left in the current epoch."""
-        return (self.num_samples - self.state.samples_consumed) // self.batch_size
+        """Global batches left in the current epoch (a short last one counted
+        unless ``drop_last``)."""
+        left = self.num_samples - self.state.samples_consumed
+        return left // self.batch_size if self.drop_last else -(-left // self.batch_size)
+
+    def current_batch_size(self) -> int:
+        """Samples in the current global batch: ``batch_size``, or fewer for the
+        last batch of an epoch when not ``drop_last``."""
+        return min(self.batch_size, self.num_samples - self.state.samples_consumed)
 
     def batch_indices(self, start: int, stop: int) -> np.ndarray:
         """Indices of rows ``[start, stop)`` of the current global batch (a view)."""
@@ -122,16 +134,51 @@ class ShardedSampler:
 
     def advance(self) -> None:
         """Move past the current global batch; roll over to the next epoch at its end."""
-        self.state.samples_consumed += self.batch_size
+        self.state.samples_consumed += self.current_batch_size()
+        self.roll_over()
+
+    def roll_over(self) -> None:
+        """Start the next epoch if no batch is left in this one (also after a
+        restore at another batch size, where the rest may be shorter than a batch)."""
         if self.remaining_in_epoch() == 0:
             self.state.epoch += 1
             self.state.samples_consumed = 0
 
     def load_state(self, state: SamplerState | dict[str, int]) -> None:
         if isinstance(state, dict):
-            state = SamplerState(**state)
+            state = SamplerState(int(state["epoch"]), int(state["samples_consumed"]),
+                                 int(state["seed"]))
         self.state = SamplerState(state.epoch, state.samples_consumed, state.seed)
         self._order_epoch = -1
+
+    def position(self) -> dict[str, int]:
+        """The data position as a strategy's ``data_position`` holds it (and a
+        checkpoint stores under ``/data``): epoch, samples_consumed, seed,
+        batch_size, num_samples, shuffle, all ints."""
+        s = self.state
+        return {"epoch": s.epoch, "samples_consumed": s.samples_consumed, "seed": s.seed,
+                "batch_size": self.batch_size, "num_samples": self.num_samples,
+                "shuffle": int(bool(self.shuffle))}
+
+    @classmethod
+    def from_position(cls, position: dict[str, int], batch_size: int,
+                      drop_last: bool = True) -> ShardedSampler:
+        """A sampler at ``position`` (a strategy's ``data_position``), with global
+        batch ``batch_size``. The position is counted in samples, so a new batch
+        size (an elastic resize under ``scale-lr``) neither repeats nor skips a
+        sample of the epoch."""
+        sampler = cls(int(position["num_samples"]), batch_size, seed=int(position["seed"]),
+                      shuffle=bool(position["shuffle"]), drop_last=drop_last)
+        sampler.load_state(position)
+        sampler.roll_over()
+        return sampler
+
+
+def rank_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
+    """The part ``[lo, hi)`` of ``rows`` rows that ``rank`` of ``ranks`` takes: as
+    even as possible (sizes differ by at most one), so a
+    batch that divides evenly gives every rank ``rows // ranks`` rows."""
+    return rank * rows // ranks, (rank + 1) * rows // ranks
 
 
 class ArrayDataset:

@@ -124,7 +124,7 @@ class HDF5Dataset:
             return f"{self.path}:{inputs}: a time series needs at least 2 rows, got {rows[0]}"
         return None
 
-    # -- the dataset interface (mpishard.data.ArrayDataset's) --------------------
+    # -- the Dataset protocol (mpishard.protocols.Dataset) ------------------------
     def __len__(self) -> int:
         n = self._x.shape[0]
         return n - 1 if self._next_row else n
@@ -192,7 +192,7 @@ class HDF5Dataset:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> "HDF5Dataset":
+    def __enter__(self) -> HDF5Dataset:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -20,10 +20,13 @@ import signal
 import time
 
 import mpishard  # noqa: F401  (thread limits before NumPy)
+
+# isort: split
 import numpy as np
 from mpi4py import MPI
 
 from mpishard import ShardingConfiguration
+from mpishard.exitcodes import EXIT_STOPPED
 from mpishard.nn import MLP
 from mpishard.optim import Adam
 from mpishard.strategies import ElasticOptimizer
@@ -96,7 +99,7 @@ def main() -> None:
            "reason": opt.stop_reason, "resumed_from": opt.resumed_from,
            "recovery_seconds": opt.recovery_seconds})
     if result.stopped:
-        raise SystemExit(75)   # EXIT_RESIZE: checkpointed, relaunch me
+        raise SystemExit(EXIT_STOPPED)   # checkpointed, relaunch me
     if args.out and comm.rank == 0:
         np.save(args.out, model.params)
 

@@ -9,7 +9,6 @@ exactly (float64, bit for bit).
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -18,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import mpi_env, mpirun_command
 
+from mpishard.exitcodes import EXIT_STOPPED
 from mpishard.launch.slots import EXIT_RESIZE, SlotSource, next_size, slots_from_hostfile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,15 +28,7 @@ MPISHARD = [sys.executable, "-m", "mpishard"]
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    for key in list(env):
-        if key.startswith(("OMPI_COMM_WORLD", "PMIX_", "OMPI_MCA_ess", "OMPI_MCA_orte")):
-            env.pop(key)
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    env.pop("MPISHARD_ELASTIC_RESTARTS", None)
-    return env
+    return mpi_env()   # also without MPISHARD_ELASTIC_RESTARTS: each job is a first launch
 
 
 def read_events(path: Path) -> list[dict]:
@@ -75,14 +68,14 @@ def run_elastic(tmp: Path, worker_args: list[str], *, min_workers=2, max_workers
 def run_reference(tmp: Path, phases: list[tuple[int, int | None]], worker_args: list[str]):
     """Plain mpirun runs at the given sizes, each stopping on purpose at its step."""
     for workers, stop_at in phases:
-        cmd = ["mpirun", "--oversubscribe", "-n", str(workers)] + WORKER + [
+        cmd = mpirun_command(workers, *WORKER[1:]) + [
             "--ckpt", str(tmp / "ref-ckpt"), "--events", str(tmp / "ref-events"),
             "--out", str(tmp / "reference.npy")] + worker_args
         if stop_at is not None:
             cmd += ["--stop-at", str(stop_at)]
         proc = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=120)
-        expected = EXIT_RESIZE if stop_at is not None else 0
+        expected = EXIT_STOPPED if stop_at is not None else 0
         assert proc.returncode == expected, proc.stdout
     return np.load(tmp / "reference.npy")
 
@@ -164,6 +157,8 @@ def test_slot_sources_and_sizing(tmp_path):
     bad.write_text("four")
     with pytest.raises(ValueError, match="expecting one non-negative integer"):
         SlotSource(slots_file=str(bad)).available()
+    # One exit code for "checkpointed and stopped": the launch name is an alias of it.
+    assert EXIT_RESIZE == EXIT_STOPPED == 75
     assert next_size("start", 0, 6, 2, 4) == 4
     assert next_size("failure", 4, 6, 2, 4) == 3
     assert next_size("failure", 3, 1, 2, 4) == 1     # below the minimum: the agent stops

@@ -18,6 +18,7 @@ import time
 import h5py
 import numpy as np
 import pytest
+from conftest import mpi_env, mpirun_command
 
 from mpishard.commands.config import UsageError, plan_runs
 
@@ -25,26 +26,14 @@ LAUNCH = pytest.mark.launch
 ERROR = "mpishard train: error: "
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    for key in list(env):   # a pytest started by mpirun must not leak its world
-        if key.startswith(("OMPI_COMM_WORLD", "PMIX_", "OMPI_MCA_ess", "OMPI_MCA_orte")):
-            env.pop(key)
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    return env
-
-
 def _command(n: int, args: list[str]) -> list[str]:
-    # -q: no Open MPI banner about the non-zero exit codes of bad-input tests.
-    return ["mpirun", "-q", "--oversubscribe", "-n", str(n), sys.executable, "-m", "mpishard",
-            *args]
+    # quiet: no Open MPI banner about the non-zero exit codes of bad-input tests.
+    return mpirun_command(n, "-m", "mpishard", *args, quiet=True)
 
 
 def mpishard(n: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(_command(n, list(args)), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, timeout=timeout, env=_env())
+    return subprocess.run(_command(n, list(args)), capture_output=True, text=True,
+                          timeout=timeout, env=mpi_env())
 
 
 def events(path, kind: str) -> list[dict]:
@@ -62,7 +51,8 @@ def params(path) -> dict[str, np.ndarray]:
 def test_defaults_run_both_examples_and_flags_override_the_file(tmp_path):
     runs = plan_runs({}, 4)
     assert [r.run for r in runs] == ["gpt", "burgers"]
-    assert (runs[0].batch_size, runs[0].epochs, runs[1].batch_size, runs[1].epochs) == (32, 3, 256, 30)
+    assert (runs[0].batch_size, runs[0].epochs, runs[1].batch_size, runs[1].epochs) == (
+        32, 3, 256, 30)
     toml = tmp_path / "run.toml"
     toml.write_text('example = "burgers"\nepochs = 7\nbatch_size = 64\n'
                     '[optimizer]\nlr = 0.01\nweight-decay = 0.0\n')
@@ -180,7 +170,7 @@ def test_sigusr1_writes_a_checkpoint_and_exits_75(tmp_path):
     args = ["train", "--example", "gpt", "--samples", "1024", "--epochs", "2", "--log-every", "2",
             "--out", str(out)]
     proc = subprocess.Popen(_command(2, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_env())
+                            text=True, env=mpi_env())
     metrics = out / "gpt" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
@@ -259,7 +249,8 @@ def test_plot_draws_the_loss_curve(tmp_path):
     metrics.write_text("".join(json.dumps(r) + "\n" for r in lines))
     png = tmp_path / "loss.png"
     proc = subprocess.run([sys.executable, "-m", "mpishard", "plot", str(metrics), str(metrics),
-                           "-o", str(png)], capture_output=True, text=True, env=_env(), timeout=120)
+                           "-o", str(png)], capture_output=True, text=True, env=mpi_env(),
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -271,5 +262,5 @@ def test_plot_draws_the_loss_curve(tmp_path):
     assert curves.name == "demo" and curves.train[10] == 0.3 and curves.train[2] == 2.0
     assert curves.validation == {0: 4.0, 10: 0.5}
     bad = subprocess.run([sys.executable, "-m", "mpishard", "plot", str(tmp_path / "none.jsonl")],
-                         capture_output=True, text=True, env=_env(), timeout=60)
+                         capture_output=True, text=True, env=mpi_env(), timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "none.jsonl" in bad.stderr

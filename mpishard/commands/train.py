@@ -13,20 +13,28 @@ import functools
 import os
 import re
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..exitcodes import EXIT_STOPPED, EXIT_USAGE
+from ..protocols import Dataset
 from .config import Settings, UsageError, build_parser, plan_runs
+
+# What needs MPI is imported inside the functions that run on the ranks: the
+# ``mpishard`` command builds its parser from this module, and ``mpishard run``
+# (the agent that starts mpirun) must never import mpi4py itself.
+if TYPE_CHECKING:
+    from ..comm import FlatComm
+    from ..train import StopRequest, TrainResult
 
 __all__ = ["EXIT_STOPPED", "EXIT_USAGE", "add_train_parser", "main"]
 
-#: Exit code of bad input: one line on rank 0.
-EXIT_USAGE = 2
-#: Exit code after a SIGUSR1/SIGTERM stop: a checkpoint was written; requeue with --resume
-#: (75 is EX_TEMPFAIL of sysexits.h: "try again later").
-EXIT_STOPPED = 75
+#: What a signal stop leaves in ``TrainResult.stopped``: exit with EXIT_STOPPED
+#: (a checkpoint was written; requeue with --resume).
+_SIGNALS = ("SIGUSR1", "SIGTERM")
 
 _VALIDATION_GPT = 256      # held-out text windows
 _VALIDATION_BURGERS = 1024  # held-out solutions
@@ -69,12 +77,12 @@ def add_train_parser(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``mpishard train ARGV`` on every rank of ``MPI.COMM_WORLD``; the exit code."""
-    from mpi4py import MPI
+    from ..comm import from_comm
 
     try:
         given = vars(build_parser().parse_args(list(sys.argv[1:] if argv is None else argv)))
     except UsageError as exc:
-        return _usage(MPI.COMM_WORLD, exc)
+        return _usage(from_comm(None, "world"), exc)
     except SystemExit as exc:   # --help
         return int(exc.code or 0)
     return run_given(given)
@@ -83,13 +91,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_given(given: dict[str, Any]) -> int:
     """Run the options in ``given`` (flag keys, and ``"config"``); the exit code.
     Collective over ``MPI.COMM_WORLD``."""
-    from mpi4py import MPI
+    from ..comm import from_comm
+    from ..train import StopRequest
 
-    from ..train.loop import StopRequest
-
-    comm = MPI.COMM_WORLD
+    # The command's one communicator over the world (each run's configuration
+    # duplicates it for its groups).
+    comm = from_comm(None, "world")
     try:
-        runs = plan_runs(given, comm.Get_size())
+        runs = plan_runs(given, comm.size)
     except UsageError as exc:
         return _usage(comm, exc)
     with StopRequest() as stop:
@@ -103,23 +112,24 @@ def run_given(given: dict[str, Any]) -> int:
             finally:
                 for close in run.closers:
                     close()
-            if report.stopped in ("SIGUSR1", "SIGTERM", "signal"):
+            if report.stopped in _SIGNALS:
                 return EXIT_STOPPED
     return 0
 
 
-def _usage(comm: Any, exc: UsageError) -> int:
-    if comm.Get_rank() == 0:
+def _usage(comm: FlatComm, exc: UsageError) -> int:
+    if comm.rank == 0:
         print(f"mpishard train: error: {exc}", file=sys.stderr, flush=True)
     return EXIT_USAGE
 
 
-def _agreed(comm: Any, what: str, fn: Callable[[], Any],
+def _agreed(comm: FlatComm, what: str, fn: Callable[[], Any],
             errors: tuple[type[BaseException], ...], fix: str = "",
             fix_for: tuple[type[BaseException], ...] | None = None) -> Any:
     """``fn()`` on every rank; if it raised ``errors`` on any rank, a
     :class:`UsageError` with the lowest such rank's message on every rank.
-    ``fix`` is appended to the message (only for ``fix_for`` errors, if given)."""
+    ``fix`` is appended to the message (only for ``fix_for`` errors, if given).
+    Collective over ``comm``."""
     value, message = None, None
     try:
         value = fn()
@@ -129,9 +139,7 @@ def _agreed(comm: Any, what: str, fn: Callable[[], Any],
         text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
         text = re.sub(r"^rank \d+: ", "", text)   # agree()'s prefix: every rank found it
         message = f"{what}: {text}{fix}"
-    if comm.Get_size() > 1:
-        messages = comm.allgather(message)
-        message = next((m for m in messages if m is not None), None)
+    message = next((m for m in comm.allgather(message) if m is not None), None)
     if message is not None:
         raise UsageError(message)
     return value
@@ -139,7 +147,7 @@ def _agreed(comm: Any, what: str, fn: Callable[[], Any],
 
 # --- setting a run up -----------------------------------------------------------------
 
-def _setup(s: Settings, comm: Any) -> Run:
+def _setup(s: Settings, comm: FlatComm) -> Run:
     """Data, model, strategy and checkpoint folder of one run. Collective over ``comm``.
 
     Raises:
@@ -155,14 +163,14 @@ def _setup(s: Settings, comm: Any) -> Run:
         raise
 
 
-def _build(s: Settings, comm: Any, closers: list[Callable[[], None]]) -> Run:
+def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Run:
     from ..config import ShardingConfiguration
     from ..errors import MpiShardError
 
     dtype = np.dtype(s.dtype)
     data, validation, what = _data(s, comm, dtype, closers)
     n_in, n_out = _widths(s, data)
-    n_samples = len(data) if hasattr(data, "gather") else len(data[0])
+    n_samples = len(data) if isinstance(data, Dataset) else len(data[0])
     steps = s.epochs * (n_samples // s.batch_size)
     warmup = s.warmup if s.warmup is not None else min(100, steps // 10)
     if warmup >= steps:
@@ -181,12 +189,12 @@ def _build(s: Settings, comm: Any, closers: list[Callable[[], None]]) -> Run:
     closers.append(config.free)
     topo = config.topology
     name = "GPT" if s.example == "gpt" else "MLP"
-    params = int(comm.allreduce(_logical_parameters(config, model)))
+    params = config.world.allreduce(_logical_parameters(config, model))
     shape = (f"d_model {s.d_model}, {s.layers} blocks, {s.heads} heads, context {s.seq_len}"
              if s.example == "gpt" else f"{n_in} -> {' -> '.join(map(str, s.hidden))} -> "
                                         f"{n_out}, {s.activation}")
-    layout = (f"{s.strategy} on {comm.Get_size()} rank(s)" if s.strategy != "hybrid" else
-              f"hybrid on {comm.Get_size()} rank(s): tp {topo.tp} x pp {topo.pp} x dp "
+    layout = (f"{s.strategy} on {comm.size} rank(s)" if s.strategy != "hybrid" else
+              f"hybrid on {comm.size} rank(s): tp {topo.tp} x pp {topo.pp} x dp "
               f"{topo.dp}, {s.micro_batches} micro-batches, {s.schedule}, "
               f"{s.data_parallel} across replicas")
     description = [
@@ -199,7 +207,7 @@ def _build(s: Settings, comm: Any, closers: list[Callable[[], None]]) -> Run:
     return run
 
 
-def _data(s: Settings, comm: Any, dtype: np.dtype,
+def _data(s: Settings, comm: FlatComm, dtype: np.dtype,
           closers: list[Callable[[], None]]) -> tuple[Any, Any, str]:
     """(training data, validation pair or None, a phrase saying what it is)."""
     if s.example == "gpt":
@@ -244,14 +252,14 @@ def _data(s: Settings, comm: Any, dtype: np.dtype,
 def _widths(s: Settings, data: Any) -> tuple[int, int]:
     if s.example == "gpt":
         return 0, 0
-    if hasattr(data, "gather"):
+    if isinstance(data, Dataset):
         return (int(np.prod(data.input_shape)), int(np.prod(data.target_shape)))
     return data[0].shape[1], data[1].shape[1]
 
 
 def _model(s: Settings, config: Any, dtype: np.dtype, n_in: int, n_out: int) -> Any:
-    from ..nn import GPT, MLP, ParallelMLP
     from ..examples.text import VOCAB_SIZE
+    from ..nn import GPT, MLP, ParallelMLP
 
     if s.example == "gpt":
         factory = functools.partial(GPT, VOCAB_SIZE, s.seq_len, s.d_model, s.heads, s.layers,
@@ -296,7 +304,7 @@ def _logical_parameters(config: Any, model: Any) -> int:
     return sum(len(r) for r in owned_ranges(model.layout, tensor_shards(model), where.tp))
 
 
-def _checkpoints(run: Run, comm: Any) -> None:
+def _checkpoints(run: Run, comm: FlatComm) -> None:
     """The run's checkpoint folder, and the resume from it. Collective over ``comm``."""
     from ..checkpoint import CheckpointManager, list_checkpoints, load_checkpoint
     from ..errors import CheckpointError
@@ -307,24 +315,24 @@ def _checkpoints(run: Run, comm: Any) -> None:
     run.manager = manager = CheckpointManager(folder, keep=s.keep)
     path = None
     if s.resume is True:
-        path = comm.bcast(manager.latest() if comm.Get_rank() == 0 else None, root=0)
-        if path is None and comm.Get_rank() == 0:
+        path = comm.bcast(manager.latest() if comm.rank == 0 else None, root=0)
+        if path is None and comm.rank == 0:
             print(f"[{s.run}] no checkpoint in {manager.folder}: starting from step 0",
                   flush=True)
     elif s.resume:
         path = s.resume
     else:
-        found = comm.bcast(list_checkpoints(folder) if comm.Get_rank() == 0 else None, root=0)
+        found = comm.bcast(list_checkpoints(folder) if comm.rank == 0 else None, root=0)
         if found and explicit:
             raise UsageError(f"--checkpoint-dir {folder} already holds checkpoints (the latest "
                              f"at step {found[-1][0]}): pass --resume to continue that run, "
                              f"or choose another folder")
-        if found and comm.Get_rank() == 0:
+        if found and comm.rank == 0:
             # Our own output folder, from an earlier run: a fresh run replaces it,
             # as it replaces metrics.jsonl (an older step would outlive the new ones).
             for _, old in found:
                 os.remove(old)
-        comm.Barrier()
+        comm.barrier()
     if path is None:
         return
     fix = ("; resume with the settings of the run that wrote it (model sizes, --dtype, "
@@ -332,7 +340,7 @@ def _checkpoints(run: Run, comm: Any) -> None:
     info = _agreed(comm, "--resume", lambda: load_checkpoint(path, run.model, run.strategy),
                    (CheckpointError, FileNotFoundError, OSError), fix)
     data = info.data or {}
-    n = len(run.data) if hasattr(run.data, "gather") else len(run.data[0])
+    n = len(run.data) if isinstance(run.data, Dataset) else len(run.data[0])
     if data.get("batch_size", s.batch_size) != s.batch_size:
         raise UsageError(f"--resume: {path} was written with --batch-size {data['batch_size']}, "
                          f"this run has {s.batch_size}; resume with --batch-size "
@@ -345,11 +353,12 @@ def _checkpoints(run: Run, comm: Any) -> None:
 
 # --- training and the summary -------------------------------------------------------------
 
-def _train(run: Run, stop: Any) -> Any:
-    from ..train.loop import evaluate, interactive_output, peak_rss_bytes, run_training
+def _train(run: Run, stop: StopRequest) -> TrainResult:
+    """Train one run and print its summary on rank 0. Collective over the run's world."""
+    from ..train import evaluate, interactive_output, peak_rss_bytes, run_training
 
-    s, comm = run.settings, run.config.comm
-    rank0 = comm.Get_rank() == 0
+    s, world = run.settings, run.config.world
+    rank0 = world.rank == 0
     if rank0:
         print(f"== {s.run}: {run.description[0]}", flush=True)
         for line in run.description[1:]:
@@ -368,11 +377,11 @@ def _train(run: Run, stop: Any) -> Any:
         max_steps=s.max_steps, stop=stop, log_every=s.log_every, label=s.run,
         print_every=max(1, s.epochs // 10),
         start_record={"run": s.run, "model": run.description[0], "strategy": s.strategy,
-                      "world_size": comm.Get_size(), "dp": topo.dp, "tp": topo.tp,
+                      "world_size": world.size, "dp": topo.dp, "tp": topo.tp,
                       "pp": topo.pp, "resumed_from": run.resumed_from,
                       "start_val_loss": start_val})
     run.strategy.verify_in_sync()
-    memory = comm.gather((peak_rss_bytes(), run.strategy.memory_report()["peak"]), root=0)
+    memory = world.gather((peak_rss_bytes(), run.strategy.memory_report()["peak"]), root=0)
     if rank0:
         _summary(run, report, start_val, memory)
     return report
@@ -384,12 +393,12 @@ def _shown(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
-def _summary(run: Run, report: Any, start_val: float | None,
+def _summary(run: Run, report: TrainResult, start_val: float | None,
              memory: list[tuple[int, int]]) -> None:
     s = run.settings
     mib = 2.0 ** 20
     losses = report.losses
-    if report.stopped in ("SIGUSR1", "SIGTERM", "signal"):
+    if report.stopped in _SIGNALS:
         head = f"{s.run} stopped by {report.stopped} at step {report.last_step}"
     elif report.stopped == "max_steps":
         head = f"{s.run} stopped at --max-steps {s.max_steps}"
@@ -411,7 +420,7 @@ def _summary(run: Run, report: Any, start_val: float | None,
         print(f"   checkpoint: {_shown(report.checkpoint)}")
     print(f"   metrics:    {s.metrics_path}  (mpishard plot {s.metrics_path} -o "
           f"{os.path.join(s.run_dir, 'loss.png')})")
-    if report.stopped in ("SIGUSR1", "SIGTERM", "signal"):
+    if report.stopped in _SIGNALS:
         print(f"   exit code {EXIT_STOPPED}: " + ("resume with the same command and --resume"
                                               if report.checkpoint else
                                               "no checkpoint, a restart begins at step 0"))

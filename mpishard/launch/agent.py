@@ -12,8 +12,9 @@ from the newest complete checkpoint, resharded
   is still at least ``min_workers`` and restarts are left.
 * The slot source changes (a rewritten ``--slots-file`` or hostfile, or SIGUSR2
   or SIGHUP to the agent): the agent sends SIGUSR1 to the workers, which write a
-  checkpoint at the next step boundary and exit with :data:`EXIT_RESIZE`; the
-  agent relaunches at the new size, within ``[min_workers, max_workers]``.
+  checkpoint at the next step boundary and exit with
+  :data:`~mpishard.exitcodes.EXIT_STOPPED`; the agent relaunches at the new size,
+  within ``[min_workers, max_workers]``.
 * SIGTERM or SIGINT to the agent (a Slurm preemption or time limit) is passed
   on to the workers, which checkpoint and stop; the agent then stops too.
 
@@ -33,7 +34,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence, TextIO
 
-from .slots import EXIT_RESIZE, SlotSource, next_size
+from ..exitcodes import EXIT_STOPPED
+from .slots import SlotSource, next_size
 
 __all__ = ["ElasticAgent", "ElasticFailure", "last_checkpoint"]
 
@@ -226,8 +228,8 @@ class ElasticAgent:
                 return 0
             if forwarded:
                 self._event("stopped", code=code, checkpoint=last_checkpoint(self.checkpoint_dir))
-                return 0 if code == EXIT_RESIZE else code
-            if code == EXIT_RESIZE:
+                return 0 if code == EXIT_STOPPED else code
+            if code == EXIT_STOPPED:
                 # The workers checkpointed for a resize (ours, or their own decision).
                 target = resize_to if resize_to is not None else next_size(
                     "slots", workers, self._available(), self.min_workers, self.max_workers)

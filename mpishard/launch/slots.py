@@ -14,11 +14,14 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..exitcodes import EXIT_STOPPED
+
 __all__ = ["EXIT_RESIZE", "SlotSource", "next_size", "slots_from_hostfile"]
 
-#: Exit status of workers that checkpointed and stopped for a planned resize
-#: (BSD's EX_TEMPFAIL: "try again").
-EXIT_RESIZE = 75
+#: Exit status of workers that checkpointed and stopped for a planned resize: the
+#: one :data:`mpishard.exitcodes.EXIT_STOPPED`, under its older name (kept for
+#: compatibility).
+EXIT_RESIZE = EXIT_STOPPED
 
 
 def slots_from_hostfile(text: str) -> int:

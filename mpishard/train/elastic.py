@@ -1,34 +1,36 @@
 """``ElasticOptimizer``: the worker side of elastic training.
 
-Wraps DDP or ZeRO-2. On start it resumes from the newest complete checkpoint in
-its folder, resharded to the current world size (the agent behind
-``mpishard run`` relaunches the workers at a new size after a failure or a
-change of slots). While training it checkpoints every ``checkpoint_every``
-steps, and on SIGUSR1 (a planned resize, sent by the agent) or SIGTERM (a Slurm
-preemption or time limit) it checkpoints at the next step boundary and exits
-with :data:`~mpishard.launch.slots.EXIT_RESIZE`, so the job goes on elsewhere
-or at another size from exactly there.
+Wraps DDP or ZeRO-2 and runs the one training loop (:func:`~mpishard.train.run_training`).
+On start it resumes from the newest complete checkpoint in its folder, resharded
+to the current world size (the agent behind ``mpishard run`` relaunches the
+workers at a new size after a failure or a change of slots). While training it
+checkpoints every ``checkpoint_every`` steps, and on SIGUSR1 (a planned resize,
+sent by the agent) or SIGTERM (a Slurm preemption or time limit) it checkpoints
+at the next step boundary and exits with :data:`~mpishard.exitcodes.EXIT_STOPPED`,
+so the job goes on elsewhere or at another size from exactly there.
 
 Signals reach the ranks at different moments, so the decision to stop is agreed
-collectively after every step (one Allreduce of one number), and every rank
-stops after the same step.
+collectively after every step (:class:`~mpishard.train.StopRequest`: one
+Allreduce of one number over the world), and every rank stops after the same step.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-import numpy as np
+from ..checkpoint import CheckpointManager
 from ..config import ShardingConfiguration
 from ..errors import MpiShardError
-from ..launch.slots import EXIT_RESIZE
-from ..parallel.base import TrainResult
+from ..exitcodes import EXIT_STOPPED
 from ..parallel.ddp import DDPOptimizer
 from ..parallel.zero2 import ZeRO2Optimizer
+from .loop import run_training
+from .result import TrainResult
+from .signals import StopRequest
 
 __all__ = ["BATCH_POLICIES", "ElasticOptimizer"]
 
@@ -37,6 +39,8 @@ __all__ = ["BATCH_POLICIES", "ElasticOptimizer"]
 #: grows with the workers and the learning rate is scaled linearly with it.
 BATCH_POLICIES = ("fixed-global", "scale-lr")
 _STRATEGIES = {"ddp": DDPOptimizer, "zero2": ZeRO2Optimizer}
+#: Why the loop stopped -> :attr:`ElasticOptimizer.stop_reason`.
+_REASONS = {"SIGUSR1": "resize", "SIGTERM": "preempt"}
 
 
 class ElasticOptimizer:
@@ -56,7 +60,7 @@ class ElasticOptimizer:
         reference_workers: the worker count the base learning rate is meant for
             (``scale-lr`` only): lr = base lr x workers / reference_workers.
         exit_on_signal: after the checkpoint a signal asked for, exit the process
-            with ``EXIT_RESIZE`` (what the agent expects); False returns instead.
+            with ``EXIT_STOPPED`` (75, what the agent expects); False returns instead.
         **options: passed to the inner strategy (bucket_mb, max_grad_norm, ...).
             For runs that must agree bit for bit across restarts with ZeRO-2, pin
             ``reduce_method`` ("reduce_scatter" or "allreduce"): "auto" chooses by
@@ -79,7 +83,8 @@ class ElasticOptimizer:
         if strategy not in _STRATEGIES:
             problem = f"strategy must be one of {', '.join(_STRATEGIES)}, got {strategy!r}"
         elif batch_policy not in BATCH_POLICIES:
-            problem = f"batch_policy must be one of {', '.join(BATCH_POLICIES)}, got {batch_policy!r}"
+            problem = (f"batch_policy must be one of {', '.join(BATCH_POLICIES)}, "
+                       f"got {batch_policy!r}")
         elif not 1 <= min_workers <= max_workers:
             problem = (f"expecting 1 <= min_workers <= max_workers, got {min_workers} "
                        f"and {max_workers}")
@@ -100,16 +105,12 @@ class ElasticOptimizer:
         self.exit_on_signal = exit_on_signal
         self.inner = _STRATEGIES[strategy](optimizer, config, **options)
         self.base_lr = optimizer.lr
-        self.manager = None
-        if checkpoint_dir is not None:
-            from ..checkpoint import CheckpointManager
-
-            self.manager = CheckpointManager(checkpoint_dir, keep=keep)
+        self.manager = (CheckpointManager(checkpoint_dir, keep=keep)
+                        if checkpoint_dir is not None else None)
         self.resumed_from: str | None = None
         self.recovery_seconds: float | None = None
         self.stop_reason: str | None = None
-        self._pending: str | None = None
-        self._flag = np.zeros(1, dtype=np.int32)
+        self._stop = StopRequest()
 
     # --- what the issue names ------------------------------------------------------
     @property
@@ -130,7 +131,7 @@ class ElasticOptimizer:
 
     def request_stop(self, reason: str = "resize") -> None:
         """Checkpoint and stop at the next step boundary (what SIGUSR1 does)."""
-        self._pending = reason
+        self._stop.request(reason)
 
     def checkpoint(self, model: Any) -> str | None:
         """Save now, into ``checkpoint_dir``. Collective over the data group."""
@@ -146,13 +147,19 @@ class ElasticOptimizer:
         return batch_size * self.current_workers
 
     def optimize(self, model: Any, data: Any, epochs: int, batch_size: int, *,
-                 seed: int = 0, callback: Callable[[int, float], Any] | None = None
-                 ) -> TrainResult:
-        """Train until ``epochs`` epochs are done in total, resuming from the
-        newest checkpoint in ``checkpoint_dir`` when there is one.
+                 seed: int = 0, callback: Callable[[int, float], Any] | None = None,
+                 **options: Any) -> TrainResult:
+        """Train until ``epochs`` epochs are done in total (counting from epoch 0,
+        as every ``optimize()``), resuming from the newest checkpoint in
+        ``checkpoint_dir`` when there is one.
 
         ``batch_size``: the global batch (``fixed-global``) or each worker's
-        batch (``scale-lr``). Collective over the data group.
+        batch (``scale-lr``). ``callback(step, loss)`` runs after every step
+        (returning True stops, without exiting). ``options`` go to
+        :func:`~mpishard.train.run_training`. After a stop asked for by a signal
+        or :meth:`request_stop` the process exits with
+        :data:`~mpishard.exitcodes.EXIT_STOPPED` (unless ``exit_on_signal`` is
+        False). Collective over the world.
         """
         inner = self.inner
         if inner.model is not model:
@@ -162,49 +169,33 @@ class ElasticOptimizer:
             self.resumed_from = info.path if info is not None else None
         if self.batch_policy == "scale-lr":
             inner.optimizer.lr = self.base_lr * self.current_workers / self.reference_workers
-        done = inner.sampler.state.epoch if inner.sampler is not None else 0
         failed_at = os.environ.get("MPISHARD_ELASTIC_FAILED_AT")
         first_step = [True]
-        last_saved = [inner.step_count]
 
-        def after_step(step: int, loss: float) -> bool:
+        def after_step(step: int, loss: float) -> Any:
             if first_step[0]:
                 first_step[0] = False
                 if failed_at:
                     self.recovery_seconds = time.time() - float(failed_at)
-            if callback is not None:
-                callback(step, loss)
-            if self.checkpoint_every and step % self.checkpoint_every == 0:
-                self.checkpoint(model)
-                last_saved[0] = step
-            self._flag[0] = {None: 0, "resize": 1, "preempt": 2}.get(self._pending, 1)
-            self.config.world.Allreduce(self._flag, slot="elastic-stop", op="max")
-            if self._flag[0]:
-                self.stop_reason = {1: "resize", 2: "preempt"}[int(self._flag[0])]
-                if last_saved[0] != step:
-                    self.checkpoint(model)
-                return True
-            return False
+            return callback(step, loss) if callback is not None else None
 
-        previous = self._install_handlers()
-        self._announce_ready()
-        try:
-            result = inner.optimize(model, data, epochs=max(epochs - done, 0),
-                                    batch_size=self.global_batch(batch_size), seed=seed,
-                                    callback=after_step)
-        finally:
-            self._restore_handlers(previous)
-        if result.stopped:
+        with self._stop:
+            self._announce_ready()
+            result = run_training(inner, model, data, epochs, self.global_batch(batch_size),
+                                  seed=seed, callback=after_step, stop=self._stop,
+                                  checkpoints=self.manager,
+                                  checkpoint_every=self.checkpoint_every or 0, **options)
+        if result.stopped not in (None, "callback", "max_steps"):
+            self.stop_reason = _REASONS.get(result.stopped, result.stopped)
             if self.exit_on_signal:
                 sys.stdout.flush()
-                sys.exit(EXIT_RESIZE)
-        elif self.manager is not None and last_saved[0] != inner.step_count:
-            self.checkpoint(model)   # the end of training is a checkpoint too
+                sys.exit(EXIT_STOPPED)
         return result
 
     # --- signals ----------------------------------------------------------------------
     def _announce_ready(self) -> None:
-        """Tell the agent that every rank now handles SIGUSR1 (and SIGTERM)."""
+        """Tell the agent that every rank now handles SIGUSR1 (and SIGTERM).
+        Collective over the world."""
         path = os.environ.get("MPISHARD_ELASTIC_READY_FILE")
         if not path:
             return
@@ -212,26 +203,6 @@ class ElasticOptimizer:
         if self.config.world.rank == 0:
             with open(path, "w") as f:
                 f.write(str(os.getpid()))
-
-    def _install_handlers(self) -> dict:
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        previous = {}
-        for signum, reason in ((signal.SIGUSR1, "resize"), (signal.SIGTERM, "preempt")):
-            previous[signum] = signal.signal(signum, self._handler(reason))
-        return previous
-
-    def _handler(self, reason: str):
-        def handle(signum, frame) -> None:
-            self._pending = self._pending or reason
-        return handle
-
-    @staticmethod
-    def _restore_handlers(previous: dict) -> None:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
     # --- the inner strategy's interface ----------------------------------------------
     def __getattr__(self, name: str) -> Any:

@@ -1,198 +1,131 @@
-"""The training loop behind ``mpishard train``: progress on rank 0, metrics, checkpoints, stops.
+"""The one training loop, behind every ``optimize()``, ``ElasticOptimizer`` and ``mpishard train``.
 
-:func:`run_training` drives a strategy's ``optimize()`` epoch by epoch and, after
-every step, decides together with every rank whether to write a checkpoint
-(every ``checkpoint_every`` steps), or to stop: at ``max_steps``, or because a
-signal arrived (:class:`StopRequest`: ``SIGUSR1`` / ``SIGTERM``, what Slurm sends
-before a time limit). A stop writes a checkpoint at that step boundary first,
-so a requeued job resumes exactly there.
+:func:`run_training` reads each global batch through the resumable sampler,
+gives every data-parallel rank its rows, runs the strategy's ``backward`` per
+micro-batch and its ``step``, keeps the strategy's ``data_position`` current,
+and after every step, in this order: calls the callback, writes a checkpoint
+every ``checkpoint_every`` steps, and decides with every rank whether to stop
+(a signal, :meth:`StopRequest.request`, the callback, ``max_steps``). A stop
+writes a checkpoint at that step boundary first, so a relaunched or requeued
+job resumes exactly there.
 
-The metrics file holds one JSON object a line, each with an ``"event"``:
-``start``, ``step`` (every ``log_every`` steps: mean loss since the last
-record, learning rate, samples/s), ``epoch`` (mean loss of the epoch, the
-validation loss), ``checkpoint`` and ``end``. A resumed run appends to it.
+**Epochs are a total.** ``epochs`` counts from epoch 0: a strategy restored
+from a checkpoint (its ``data_position`` says epoch 1, 48 samples in) trained
+with ``epochs=3`` does the rest of epoch 1 and epoch 2, and a second
+``optimize(epochs=3)`` after a complete first one does nothing. Every entry
+point (``optimize()`` of each strategy, ``ElasticOptimizer``, ``mpishard
+train``) follows this rule, so the same command resumes a job where it stopped.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
-import math
-import os
-import resource
-import signal
+import numbers
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, TextIO
 
-import numpy as np
+from ..data import ArrayDataset, ShardedSampler, rank_rows, split_batch
+from ..protocols import Dataset
+from .evaluate import evaluate
+from .progress import Metrics, clock, progress_bar
+from .result import TrainResult
+from .signals import StopRequest
 
-__all__ = ["StopRequest", "TrainingReport", "evaluate", "interactive_output", "run_training"]
-
-
-@dataclass
-class TrainingReport:
-    """What :func:`run_training` returns (the same on every rank)."""
-
-    losses: list[float] = field(default_factory=list)   # global mean loss per step run
-    first_step: int = 0          # the strategy's step count when the call began
-    last_step: int = 0
-    epochs_done: int = 0         # complete epochs, counting those before a resume
-    samples: int = 0
-    seconds: float = 0.0
-    val_loss: float = float("nan")   # at the end (nan without validation data)
-    stopped: str | None = None   # "SIGUSR1", "SIGTERM", "max_steps"; None: all epochs done
-    checkpoint: str | None = None    # the last checkpoint written
-
-    @property
-    def steps(self) -> int:
-        return self.last_step - self.first_step
-
-    @property
-    def samples_per_second(self) -> float:
-        return self.samples / self.seconds if self.seconds > 0 else float("nan")
-
-    @property
-    def final_loss(self) -> float:
-        """Mean training loss of the last (up to) 10 steps."""
-        return float(np.mean(self.losses[-10:])) if self.losses else float("nan")
-
-
-class StopRequest:
-    """Turn ``signals`` into a request to checkpoint and stop at the next step.
-
-    A handler only sets a flag; :func:`run_training` agrees on it across the
-    ranks after each step (any rank that got the signal stops them all), so
-    it does not matter whether the launcher signals one rank or every rank.
-    Use as a context manager; the previous handlers come back on exit.
-    Handlers can only be installed from the main thread; elsewhere this does nothing.
-    """
-
-    def __init__(self, signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM")) -> None:
-        self.signals = signals
-        self.received: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.received is None:
-            self.received = signal.Signals(signum).name
-
-    def __enter__(self) -> "StopRequest":
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for name in self.signals:
-                num = getattr(signal, name)
-                self._previous[num] = signal.signal(num, self._handler)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for num, previous in self._previous.items():
-            signal.signal(num, previous)
-        self._previous.clear()
-
-
-class _Stop(Exception):
-    """Raised from the step callback to leave ``optimize()`` at a step boundary."""
-
-
-def interactive_output(stream: TextIO | None = None) -> bool:
-    """Whether ``stream`` (stdout) reaches a person's terminal.
-
-    Open MPI gives every rank a pseudo-terminal as stdout even when mpirun's
-    own output goes to a file, so under mpirun the answer is mpirun's (the
-    parent's) stdout; a Slurm batch job writes to a file unless ``srun --pty``.
-    """
-    stream = stream or sys.stdout
-    try:
-        if not stream.isatty():
-            return False
-    except (AttributeError, ValueError):
-        return False
-    if os.environ.get("SLURM_JOB_ID") and not os.environ.get("SLURM_PTY_PORT"):
-        return False
-    if "OMPI_COMM_WORLD_SIZE" in os.environ:
-        try:
-            target = os.readlink(f"/proc/{os.getppid()}/fd/1")
-        except OSError:
-            return False   # a remote daemon's stdout: not a terminal we can see
-        return target.startswith(("/dev/pts/", "/dev/tty"))
-    return True
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+__all__ = ["run_training"]
 
 
 def run_training(strategy: Any, model: Any, data: Any, epochs: int, batch_size: int, *,
-                 seed: int = 0, validation: tuple[Any, Any] | None = None,
-                 metrics_path: str | None = None, append_metrics: bool = False,
-                 progress: bool = False, out: TextIO | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = True,
+                 callback: Callable[[int, float], Any] | None = None,
+                 stop: StopRequest | None = None, max_steps: int | None = None,
                  checkpoints: Any = None, checkpoint_every: int = 0,
-                 max_steps: int | None = None, stop: StopRequest | None = None,
-                 log_every: int = 10, print_every: int = 1, label: str = "train",
-                 start_record: dict[str, Any] | None = None) -> TrainingReport:
-    """Train until ``epochs`` epochs are complete (counting from epoch 0, so a
-    resumed strategy does only what is left), ``max_steps`` is reached, or
-    ``stop`` has received a signal. Collective over ``strategy.config.comm``.
+                 validation: tuple[Any, Any] | None = None,
+                 metrics_path: str | None = None, append_metrics: bool = False,
+                 progress: bool = False, out: TextIO | None = None, log_every: int = 10,
+                 print_every: int = 0, label: str = "train",
+                 start_record: dict[str, Any] | None = None) -> TrainResult:
+    """Train ``model`` with ``strategy`` until ``epochs`` epochs are complete in
+    total (see the module docstring), ``max_steps`` is reached, or a stop.
+    Collective over ``strategy.config.world``.
 
-    ``data``: arrays ``(x, y)`` or a dataset (``__len__``, ``buffers``,
-    ``gather``). ``validation``: ``(x, y)`` every rank evaluates at each
-    epoch's end (no communication, except within a model-parallel model).
-    ``progress``: a tqdm bar on rank 0 (loss, samples/s, ETA) instead of one
-    line per ``print_every`` epochs (and the last). ``checkpoints``: a
-    :class:`~mpishard.checkpoint.CheckpointManager`; with it a checkpoint is
-    written every ``checkpoint_every`` steps (0: never on the way), at a stop,
-    and at the end. ``metrics_path`` (rank 0 writes) gets JSON lines, appended
-    to with ``append_metrics``.
+    Args:
+        strategy: a parallel-core strategy (``attach``, ``backward``, ``step``,
+            ``data_position``); the model is attached if it is not yet.
+        data: a :class:`~mpishard.protocols.Dataset` or an ``(inputs, targets)``
+            pair of arrays (wrapped in :class:`~mpishard.data.ArrayDataset`).
+            Every rank passes the same data; each reads only its rows.
+        batch_size: the global batch, split evenly over the data-parallel ranks
+            and then into ``accumulation_steps`` micro-batches (and a pipelined
+            model's micro-batches). The shuffle of an epoch depends on
+            ``(seed, epoch)`` only, so any world size sees the same batches.
+        shuffle, seed: the sampler's; a strategy with a ``data_position`` (one
+            restored from a checkpoint, or trained before) keeps its own.
+        drop_last: ``True`` drops the last incomplete batch of each epoch (every
+            step sees exactly ``batch_size`` samples); ``False`` trains it as a
+            short last step, its rows split over the ranks as evenly as possible
+            (not for pipelined models).
+        callback: ``callback(step, loss)`` after every step; returning True stops
+            training there (``result.stopped == "callback"``). Without ``stop``
+            it must return the same on every rank; with it, any rank's True stops all.
+        stop: a :class:`StopRequest`, agreed on over the world after every step.
+        max_steps: stop when the strategy's step count reaches it.
+        checkpoints: a :class:`~mpishard.checkpoint.CheckpointManager`; with it a
+            checkpoint is written every ``checkpoint_every`` steps (0: never on
+            the way), at a stop, and at the end.
+        validation: ``(x, y)`` evaluated at each epoch's end and at the end
+            (:func:`~mpishard.train.evaluate`).
+        metrics_path: JSON lines (rank 0 writes; appended with ``append_metrics``);
+            see :mod:`mpishard.train.progress`.
+        progress: a tqdm bar on rank 0. print_every: an epoch line on rank 0
+            every that many epochs (and the first and last); 0: none.
+        start_record: written as the ``start`` metrics event, when given.
+
+    Raises:
+        ValueError: on every rank: ``batch_size`` does not split over the ranks
+            and micro-batches, exceeds the dataset, or the data position was
+            made for another number of samples.
     """
-    comm = strategy.config.comm
-    rank0 = comm.Get_rank() == 0
-    out = out or sys.stdout
-    n_samples = len(data) if hasattr(data, "gather") else len(data[0])
-    per_epoch = max(n_samples // batch_size, 1)
+    world = strategy.config.world
+    rank0 = world.rank == 0
+    if strategy.model is not model:
+        strategy.attach(model)
+    dataset = data if isinstance(data, Dataset) else ArrayDataset(*data)
+    dp = strategy.dp
+    micro = strategy.accumulation_steps
+    problem, sampler, split = None, None, None
+    try:
+        # A pipelined model cuts each micro-batch again into its own micro-batches.
+        pipeline = getattr(model, "micro_batches", 1)
+        split = split_batch(batch_size, dp.size, micro * pipeline)
+        if not drop_last and pipeline > 1:
+            raise ValueError("drop_last=False is not available for a pipelined model "
+                             f"({pipeline} micro-batches): its micro-batches must be equal")
+        if not isinstance(epochs, numbers.Integral) or epochs < 0:
+            raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
+        sampler = _sampler(strategy.data_position, len(dataset), batch_size, seed, shuffle,
+                           drop_last)
+    except ValueError as exc:
+        problem = str(exc)
+    world.agree(problem, ValueError)
+    assert sampler is not None and split is not None
+    position = strategy.data_position = sampler.position()
+    state = sampler.state
+    local = split.local_size
+    x_full, y_full = dataset.buffers(local, strategy.xp, model.params.dtype)
+
     start_step = strategy.step_count
+    result = TrainResult(first_step=start_step, last_step=start_step)
+    per_epoch = sampler.batches_per_epoch
     total_steps = epochs * per_epoch
     if max_steps is not None:
         total_steps = min(total_steps, max_steps)
-    report = TrainingReport(first_step=start_step, last_step=start_step)
-
-    metrics = None
-    if rank0 and metrics_path:
-        os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
-        metrics = open(metrics_path, "a" if append_metrics else "w")
-
-    def record(event: str, **values: Any) -> None:
-        if metrics is not None:
-            metrics.write(json.dumps({"event": event, **values}) + "\n")
-            metrics.flush()
-
-    bar = None
-    if rank0 and progress:
-        import shutil
-
-        from tqdm import tqdm
-
-        # A rank's pseudo-terminal from mpirun has no size, and tqdm draws
-        # nothing on a screen of 0 rows: say 80 x 24 unless the size is known.
-        size = shutil.get_terminal_size((80, 24))
-        bar = tqdm(total=total_steps, initial=min(start_step, total_steps), unit="step",
-                   desc=label, file=out, ncols=min(size.columns, 100),
-                   nrows=max(size.lines, 2), leave=True,
-                   bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
-                              "[{elapsed}<{remaining}{postfix}]")
-
-    window: list[float] = []
-    # A resumed run has its starting point on disk already.
-    saved_at = start_step if start_step > 0 else -1
-    t_start = time.perf_counter()
-    t_window = t_start
-
-    def epoch_now() -> int:
-        return strategy.sampler.state.epoch if strategy.sampler is not None else 0
+    out = out or sys.stdout
+    metrics = Metrics(metrics_path if rank0 else None, append_metrics)
+    bar = progress_bar(total_steps, start_step, label, out) if rank0 and progress else None
+    saved_at = start_step   # a resumed run has its starting point on disk already
+    last_val = (-1, float("nan"))
 
     def save(reason: str) -> None:
         nonlocal saved_at
@@ -200,136 +133,126 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int, batch_size: 
             return
         path = checkpoints.save(model, strategy)
         saved_at = strategy.step_count
-        report.checkpoint = path
-        record("checkpoint", step=strategy.step_count, path=path, reason=reason)
-
-    def on_step(step: int, loss: float) -> None:
-        nonlocal t_window
-        report.losses.append(loss)
-        report.samples += batch_size
-        report.last_step = step
-        window.append(loss)
-        if bar is not None:
-            elapsed = time.perf_counter() - t_start
-            bar.set_postfix_str(f"loss {loss:.4f}, {report.samples / elapsed:,.0f} samples/s",
-                                refresh=False)   # tqdm puts ", " before it
-            bar.update(1)
-        if len(window) >= log_every:
-            now = time.perf_counter()
-            record("step", step=step, epoch=epoch_now(), loss=float(np.mean(window)),
-                   lr=strategy.current_lr(),
-                   samples_per_s=len(window) * batch_size / max(now - t_window, 1e-9),
-                   elapsed_s=now - t_start)
-            window.clear()
-            t_window = now
-        reason = None
-        if stop is not None:
-            # Any rank's signal stops every rank: one tiny Allreduce per step.
-            got = stop.received is not None
-            if comm.Get_size() > 1:
-                got = comm.allreduce(got, op=_lor())
-            if got:
-                names = comm.allgather(stop.received) if comm.Get_size() > 1 else [stop.received]
-                reason = next((n for n in names if n), "signal")
-        if reason is None and max_steps is not None and step >= max_steps:
-            reason = "max_steps"
-        if reason is not None:
-            report.stopped = reason
-            raise _Stop
-        if checkpoint_every and step % checkpoint_every == 0:
-            save("interval")
+        result.checkpoint = path
+        metrics.record("checkpoint", step=saved_at, path=path, reason=reason)
 
     if start_record is not None:
-        record("start", **start_record, first_step=start_step, epochs=epochs,
-               batch_size=batch_size, steps_per_epoch=per_epoch,
-               time=datetime.datetime.now().isoformat(timespec="seconds"))
+        metrics.record("start", **start_record, first_step=start_step, epochs=epochs,
+                       batch_size=batch_size, steps_per_epoch=per_epoch,
+                       time=datetime.datetime.now().isoformat(timespec="seconds"))
+    t_start = time.perf_counter()
+    t_window, window_loss, window_steps, window_samples = t_start, 0.0, 0, 0
+    t_epoch, epoch_loss, epoch_steps, epoch_samples = t_start, 0.0, 0, 0
     try:
-        while epoch_now() < epochs and report.stopped is None:
-            if max_steps is not None and strategy.step_count >= max_steps:
-                report.stopped = "max_steps"
-                break
-            before = len(report.losses)
-            t_epoch = time.perf_counter()
-            try:
-                strategy.optimize(model, data, epochs=1, batch_size=batch_size, seed=seed,
-                                  callback=on_step)
-            except _Stop:
-                pass
-            if report.stopped is not None and strategy.sampler.state.samples_consumed:
-                break   # stopped inside an epoch: no epoch record
-            epoch_losses = report.losses[before:]
-            seconds = time.perf_counter() - t_epoch
-            values = {"epoch": epoch_now(), "step": strategy.step_count,
-                      "loss": float(np.mean(epoch_losses)) if epoch_losses else float("nan"),
-                      "samples_per_s": len(epoch_losses) * batch_size / max(seconds, 1e-9),
-                      "elapsed_s": time.perf_counter() - t_start}
-            if validation is not None:
-                values["val_loss"] = evaluate(model, *validation)
-            record("epoch", **values)
-            shown = values["epoch"] % print_every == 0 or values["epoch"] in (1, epochs)
-            if rank0 and shown:
-                remaining = (total_steps - strategy.step_count) * seconds / max(len(epoch_losses), 1)
-                val = f"  val {values['val_loss']:.4f}" if validation is not None else ""
-                line = (f"{label} epoch {values['epoch']:>3}/{epochs}  step "
-                        f"{strategy.step_count:>5}  loss {values['loss']:.4f}{val}  "
-                        f"{values['samples_per_s']:,.0f} samples/s  eta {_clock(remaining)}")
-                if bar is not None:
-                    bar.write(line, file=out)   # above the bar
-                else:
-                    out.write(line + "\n")
-                    out.flush()
-        report.seconds = time.perf_counter() - t_start
-        if report.stopped is not None:
-            save(report.stopped)
-        else:
-            save("end")
-        report.epochs_done = epoch_now()
-        report.val_loss = evaluate(model, *validation) if validation is not None else float("nan")
-        record("end", step=strategy.step_count, final_loss=report.final_loss,
-               val_loss=report.val_loss, seconds=report.seconds,
-               samples_per_s=report.samples_per_second, stopped=report.stopped,
-               checkpoint=report.checkpoint)
+        if max_steps is not None and strategy.step_count >= max_steps:
+            result.stopped = "max_steps"
+        while result.stopped is None and state.epoch < epochs:
+            # --- one step: this rank's rows of the global batch -----------------
+            rows = sampler.current_batch_size()
+            lo, hi = rank_rows(rows, dp.size, dp.rank)
+            n = hi - lo
+            x, y = (x_full, y_full) if n == local else (x_full[:n], y_full[:n])
+            dataset.gather(sampler.batch_indices(lo, hi), x, y)
+            for k in range(micro):
+                # Micro-batches as even as the ranks' shares; backward() weights each
+                # by its rows, so a short, unequal last batch is still its exact mean.
+                a, b = k * n // micro, (k + 1) * n // micro
+                strategy.backward(x[a:b], y[a:b], batch_start=lo + a, global_rows=rows)
+            loss = strategy.step()
+            epoch_before = state.epoch
+            sampler.advance()
+            position["epoch"] = state.epoch
+            position["samples_consumed"] = state.samples_consumed
+            step = strategy.step_count
+            result.losses.append(loss)
+            result.steps += 1
+            result.samples += rows
+            result.last_step = step
+
+            # --- what a step reports -------------------------------------------
+            epoch_loss += loss
+            epoch_steps += 1
+            epoch_samples += rows
+            if bar is not None:
+                elapsed = time.perf_counter() - t_start
+                bar.set_postfix_str(f"loss {loss:.4f}, {result.samples / elapsed:,.0f} "
+                                    f"samples/s", refresh=False)   # tqdm puts ", " before it
+                bar.update(1)
+            if metrics.active:
+                window_loss += loss
+                window_steps += 1
+                window_samples += rows
+                if window_steps >= log_every:
+                    now = time.perf_counter()
+                    metrics.record("step", step=step, epoch=state.epoch,
+                                   loss=window_loss / window_steps, lr=strategy.current_lr(),
+                                   samples_per_s=window_samples / max(now - t_window, 1e-9),
+                                   elapsed_s=now - t_start)
+                    t_window, window_loss, window_steps, window_samples = now, 0.0, 0, 0
+
+            # --- after the step: callback, checkpoint, stop ------------------------
+            wants_stop = callback is not None and bool(callback(step, loss))
+            if checkpoint_every and step % checkpoint_every == 0:
+                save("interval")
+            if stop is not None:
+                result.stopped = stop.agree(world, "callback" if wants_stop else None)
+            elif wants_stop:
+                result.stopped = "callback"
+            if result.stopped is None and max_steps is not None and step >= max_steps:
+                result.stopped = "max_steps"
+
+            # --- the end of an epoch ---------------------------------------------
+            if state.epoch != epoch_before:
+                now = time.perf_counter()
+                values: dict[str, Any] = {
+                    "epoch": state.epoch, "step": step, "loss": epoch_loss / epoch_steps,
+                    "samples_per_s": epoch_samples / max(now - t_epoch, 1e-9),
+                    "elapsed_s": now - t_start}
+                if validation is not None:
+                    values["val_loss"] = evaluate(model, *validation)
+                    last_val = (step, values["val_loss"])
+                metrics.record("epoch", **values)
+                if rank0 and print_every and (state.epoch % print_every == 0
+                                              or state.epoch in (1, epochs)):
+                    remaining = (total_steps - step) * (now - t_epoch) / epoch_steps
+                    val = f"  val {values['val_loss']:.4f}" if validation is not None else ""
+                    line = (f"{label} epoch {state.epoch:>3}/{epochs}  step {step:>5}  "
+                            f"loss {values['loss']:.4f}{val}  "
+                            f"{values['samples_per_s']:,.0f} samples/s  eta {clock(remaining)}")
+                    if bar is not None:
+                        bar.write(line, file=out)   # above the bar
+                    else:
+                        out.write(line + "\n")
+                        out.flush()
+                t_epoch, epoch_loss, epoch_steps, epoch_samples = time.perf_counter(), 0.0, 0, 0
+
+        result.seconds = time.perf_counter() - t_start
+        save(result.stopped or "end")
+        result.epochs = state.epoch
+        if validation is not None:
+            result.val_loss = (last_val[1] if last_val[0] == strategy.step_count
+                               else evaluate(model, *validation))
+        metrics.record("end", step=strategy.step_count, final_loss=result.final_loss,
+                       val_loss=result.val_loss, seconds=result.seconds,
+                       samples_per_s=result.samples_per_second, stopped=result.stopped,
+                       checkpoint=result.checkpoint)
     finally:
         if bar is not None:
             bar.close()
-        if metrics is not None:
-            metrics.close()
-    return report
+        metrics.close()
+    return result
 
 
-def _clock(seconds: float) -> str:
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    m, s = divmod(int(round(seconds)), 60)
-    return f"{m}:{s:02d}"
-
-
-def _lor():
-    from mpi4py import MPI
-
-    return MPI.LOR
-
-
-def evaluate(model: Any, x: Any, y: Any, batch: int = 32) -> float:
-    """Mean loss of ``model`` on ``(x, y)`` without touching its gradients:
-    cross-entropy for integer targets (logits ``(..., classes)``, targets
-    ``(...)``, as a GPT's), mean squared error otherwise. Evaluated ``batch``
-    rows at a time (a GPT's activations for a whole validation set would take
-    hundreds of MiB). Collective wherever the model's ``forward`` is (a tensor-
-    or pipeline-parallel model)."""
-    total, count = 0.0, 0
-    for lo in range(0, len(x), batch):
-        prediction = np.asarray(model.forward(x[lo:lo + batch]), dtype=np.float64)
-        target = np.asarray(y[lo:lo + batch])
-        if np.issubdtype(target.dtype, np.integer):
-            prediction = prediction.reshape(-1, prediction.shape[-1])
-            target = target.reshape(-1)
-            shifted = prediction - prediction.max(axis=1, keepdims=True)
-            log_z = np.log(np.exp(shifted).sum(axis=1))
-            losses = log_z - shifted[np.arange(len(target)), target]
-        else:
-            diff = prediction - target.reshape(prediction.shape)
-            losses = diff * diff
-        total += float(losses.sum())
-        count += losses.size
-    return total / count if count else float("nan")
+def _sampler(position: dict[str, int] | None, num_samples: int, batch_size: int, seed: int,
+             shuffle: bool, drop_last: bool) -> ShardedSampler:
+    """A sampler at the strategy's data position, or at the start of epoch 0."""
+    if position is None:
+        return ShardedSampler(num_samples, batch_size, seed=seed, shuffle=shuffle,
+                              drop_last=drop_last)
+    if int(position["num_samples"]) != num_samples:
+        raise ValueError(f"the data has {num_samples} samples but the data position "
+                         f"(restored from a checkpoint?) counts {position['num_samples']}")
+    if batch_size > num_samples:
+        raise ValueError(f"global batch size {batch_size} is larger than the dataset "
+                         f"({num_samples} samples)")
+    return ShardedSampler.from_position(position, batch_size, drop_last)

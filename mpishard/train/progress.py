@@ -1,0 +1,96 @@
+"""What a run shows and records: a tqdm bar on rank 0, epoch lines, metrics JSON lines.
+
+The metrics file holds one JSON object a line, each with an ``"event"``:
+``start``, ``step`` (every ``log_every`` steps: mean loss since the last
+record, learning rate, samples/s), ``epoch`` (mean loss of the epoch, the
+validation loss), ``checkpoint`` and ``end``. A resumed run appends to it.
+Only rank 0 writes or prints; nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import shutil
+import sys
+from typing import Any, TextIO
+
+__all__ = ["Metrics", "clock", "interactive_output", "peak_rss_bytes", "progress_bar"]
+
+
+class Metrics:
+    """JSON lines appended to ``path`` (or nothing, for ``path=None``)."""
+
+    def __init__(self, path: str | None, append: bool = False) -> None:
+        self._file: TextIO | None = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            # Open for the whole run (a record per log_every steps); close() ends it.
+            self._file = open(path, "a" if append else "w")  # noqa: SIM115
+
+    @property
+    def active(self) -> bool:
+        return self._file is not None
+
+    def record(self, event: str, **values: Any) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"event": event, **values}) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def progress_bar(total: int, initial: int, label: str, out: TextIO) -> Any:
+    """A tqdm bar of ``total`` steps (loss, samples/s and ETA as its postfix)."""
+    from tqdm import tqdm  # optional dependency: only imported when a bar is asked for
+
+    # A rank's pseudo-terminal from mpirun has no size, and tqdm draws
+    # nothing on a screen of 0 rows: say 80 x 24 unless the size is known.
+    size = shutil.get_terminal_size((80, 24))
+    return tqdm(total=total, initial=min(initial, total), unit="step", desc=label, file=out,
+                ncols=min(size.columns, 100), nrows=max(size.lines, 2), leave=True,
+                bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                           "[{elapsed}<{remaining}{postfix}]")
+
+
+def interactive_output(stream: TextIO | None = None) -> bool:
+    """Whether ``stream`` (stdout) reaches a person's terminal.
+
+    Open MPI gives every rank a pseudo-terminal as stdout even when mpirun's
+    own output goes to a file, so under mpirun the answer is mpirun's (the
+    parent's) stdout; a Slurm batch job writes to a file unless ``srun --pty``.
+    """
+    stream = stream or sys.stdout
+    try:
+        if not stream.isatty():
+            return False
+    except (AttributeError, ValueError):
+        return False
+    if os.environ.get("SLURM_JOB_ID") and not os.environ.get("SLURM_PTY_PORT"):
+        return False
+    if "OMPI_COMM_WORLD_SIZE" in os.environ:
+        try:
+            target = os.readlink(f"/proc/{os.getppid()}/fd/1")
+        except OSError:
+            return False   # a remote daemon's stdout: not a terminal we can see
+        return target.startswith(("/dev/pts/", "/dev/tty"))
+    return True
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def clock(seconds: float) -> str:
+    """``m:ss``, or ``?`` for a time not known."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}:{s:02d}"
