@@ -6,6 +6,7 @@ __all__ = [
     "CheckpointError",
     "CommunicationError",
     "MpiShardError",
+    "NonFiniteError",
     "TopologyError",
 ]
 
@@ -24,3 +25,22 @@ class CheckpointError(MpiShardError):
 
 class CommunicationError(MpiShardError, RuntimeError):
     """A collective that failed or did not finish in time."""
+
+
+class NonFiniteError(MpiShardError, FloatingPointError):
+    """A NaN or infinite loss or gradient norm in a training step, raised on every
+    rank with the parameters and optimizer state left as they were before the step.
+
+    Attributes:
+        step: the 1-based number of the step that was refused.
+        rank: the first data-parallel rank where a non-finite local loss or
+            gradient appeared, or None when no rank could be named.
+        world_rank: that rank's rank in ``MPI.COMM_WORLD``, or None.
+    """
+
+    def __init__(self, message: str, step: int | None = None, rank: int | None = None,
+                 world_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.rank = rank
+        self.world_rank = world_rank

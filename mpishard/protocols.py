@@ -18,13 +18,16 @@ which strategy calls it (ZeRO-2 is "the same optimizer on my shard").
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 from .flat import ParamLayout, Range
 
 __all__ = [
     "BackwardHooks",
     "BucketedModel",
+    "Dataset",
+    "DescribedModel",
     "Model",
     "Optimizer",
 ]
@@ -37,6 +40,14 @@ class Model(Protocol):
     ``forward_backward(x, y)`` returns the mean loss over the rows of ``x`` (a
     Python float) and writes d(loss)/d(params) into ``grads``, overwriting it.
     ``forward(x)`` returns predictions without touching ``grads``.
+
+    Two keywords of ``forward_backward`` are optional and used when present:
+    ``accumulate=True`` adds the gradient to ``grads`` instead of overwriting;
+    ``loss_scale=s`` writes the gradient of ``s`` times the mean loss (the
+    returned loss stays the plain mean). Strategies weight each rank's gradient
+    by its row count through ``loss_scale``; for a model without it they
+    multiply ``grads`` by the row count after the call (one more pass over the
+    gradient) and reduce it only after the backward, without overlap.
     """
 
     params: Any
@@ -49,25 +60,33 @@ class Model(Protocol):
 
 
 class BackwardHooks(Protocol):
-    """Callbacks a strategy gives a :class:`BucketedModel`.
+    """Callbacks a strategy gives a :class:`BucketedModel`
+    (:class:`~mpishard.comm.buckets.GradientBuckets` is the library's).
 
     ``before(r)`` is called before a layer writes gradients to world range ``r``
     (the union of its tensors' ranges), so a strategy can make sure the buffer
-    behind those views is free. ``after(lo)`` is called after the layer wrote
-    them: every gradient at offsets ``>= lo`` is now final for this backward.
+    behind those views is free. ``after(r)`` is called after the layer wrote
+    them, with the same ``r``: every gradient at offsets ``>= r.start`` is now
+    final for this backward (layers are visited last to first). Every gradient
+    write happens between such calls, so a backward ends with ``after`` at the
+    lowest offset, 0: strategies rely on it (a rank with no rows, which runs no
+    backward, launches each bucket's reduction as the others' hooks do).
     """
 
     def before(self, r: Range) -> None: ...
 
-    def after(self, lo: int) -> None: ...
+    def after(self, r: Range) -> None: ...
 
 
 @runtime_checkable
 class BucketedModel(Model, Protocol):
     """A model whose gradient storage and backward progress a strategy can see.
 
-    * ``forward_backward(x, y, accumulate=False)``: with ``accumulate=True`` the
-      gradients are added to what the gradient views hold instead of overwriting.
+    * ``forward_backward(x, y, accumulate=False, loss_scale=1.0)``: with
+      ``accumulate=True`` the gradients are added to what the gradient views hold
+      instead of overwriting; they are the gradients of ``loss_scale`` times the
+      mean loss (a strategy passes the rank's row count, so the scaling happens
+      inside the backward, before any bucket is reduced).
     * ``bind_gradients(view)``: from now on the gradient of tensor ``name`` is
       written into ``view(name)`` (an array of the tensor's shape). After this the
       model's ``grads`` attribute may be ``None``: the storage belongs to the
@@ -80,13 +99,31 @@ class BucketedModel(Model, Protocol):
       them for the global batch so that any data-parallel split sees the same masks.
     """
 
-    def forward_backward(self, x: Any, y: Any, *, accumulate: bool = False) -> float: ...
+    def forward_backward(self, x: Any, y: Any, *, accumulate: bool = False,
+                         loss_scale: float = 1.0) -> float: ...
 
     def bind_gradients(self, view: Callable[[str], Any]) -> None: ...
 
     def set_backward_hooks(self, hooks: BackwardHooks | None) -> None: ...
 
     def set_batch_context(self, step: int, start: int, global_size: int) -> None: ...
+
+
+@runtime_checkable
+class DescribedModel(Protocol):
+    """A model that describes itself for model files and checkpoints.
+
+    ``architecture()``: a JSON-ready record from which
+    :func:`mpishard.models.build_architecture` rebuilds the model in one process
+    (``{"version", "class", "args"}``), or None when it cannot be rebuilt from
+    data (a :class:`~mpishard.nn.FunctionModel` holds code). ``training_metadata()``:
+    ``{"steps", "losses"}`` of its single-process training, or None. A checkpoint
+    stores both; a model without them is saved without.
+    """
+
+    def architecture(self) -> dict[str, Any] | None: ...
+
+    def training_metadata(self) -> dict[str, Any] | None: ...
 
 
 @runtime_checkable
@@ -109,3 +146,25 @@ class Optimizer(Protocol):
 
     def update(self, params: Any, grads: Any, state: dict[str, Any], step: int,
                lr: float, grad_scale: float = 1.0) -> None: ...
+
+
+@runtime_checkable
+class Dataset(Protocol):
+    """Training samples read by row index into preallocated buffers.
+
+    ``len(data)`` is the number of samples. ``buffers(rows, xp, float_dtype)``
+    returns ``(x_out, y_out)``: empty arrays for ``rows`` samples on the device of
+    ``xp``, floating-point data held in ``float_dtype`` (the model's) when given.
+    ``gather(indices, x_out, y_out)`` copies the samples ``indices`` (a 1-D NumPy
+    integer array) into the first ``len(indices)`` rows of the buffers; it is not
+    collective (each rank reads its own rows). The training loop makes the buffers
+    once and gathers into them every step. :class:`~mpishard.data.ArrayDataset`
+    (in-memory arrays) and :class:`~mpishard.hdf5data.HDF5Dataset` (an HDF5
+    file) meet it; an ``(x, y)`` pair of arrays is wrapped in an ``ArrayDataset``.
+    """
+
+    def __len__(self) -> int: ...
+
+    def buffers(self, rows: int, xp: Any, float_dtype: Any = None) -> tuple[Any, Any]: ...
+
+    def gather(self, indices: Any, x_out: Any, y_out: Any) -> None: ...

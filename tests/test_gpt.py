@@ -444,9 +444,9 @@ class Recorder:
         assert np.all(np.isnan(self.model.grads[r.start:r.stop]))
         self.calls.append(("before", r))
 
-    def after(self, lo):
-        assert np.all(np.isfinite(self.model.grads[lo:]))
-        self.calls.append(("after", lo))
+    def after(self, r):
+        assert np.all(np.isfinite(self.model.grads[r.start:]))
+        self.calls.append(("after", r))
 
 
 @pytest.mark.parametrize("stage_layers", [None, (1, 3)])
@@ -463,10 +463,10 @@ def test_hooks_called_in_backward_order_with_layer_ranges(stage_layers):
         model.backward_stage(np.ones((2, T, D)))
     expected = []
     for unit in reversed(unit_ranges(model.layout)):
-        expected += [("before", unit), ("after", unit.start)]
+        expected += [("before", unit), ("after", unit)]
     assert hooks.calls == expected
     assert len(expected) == 2 * (model.stage_layers[1] - model.stage_layers[0])
-    assert expected[0][1].stop == model.layout.size and expected[-1][1] == 0
+    assert expected[0][1].stop == model.layout.size and expected[-1][1].start == 0
 
 
 # -- shard metadata -------------------------------------------------------------------------

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from ..backend import array_namespace
 from ..flat import ParamLayout
-from .model_file import ModelFileMethods
+from .model_methods import ModelMethods
 
 __all__ = [
     "FunctionModel",
 ]
 
 
-class FunctionModel(ModelFileMethods):
+class FunctionModel(ModelMethods):
     """A model for codes that compute their own gradient (an adjoint solver, JAX).
 
     ``f(params, x, y)`` returns the mean loss over the rows of ``x`` and the
@@ -32,6 +33,10 @@ class FunctionModel(ModelFileMethods):
     gradient at once, so there is no backward progress to report and no way to
     write the gradient elsewhere. Strategies reduce it after
     :meth:`forward_backward` returns, without overlap.
+
+    A model file of a FunctionModel holds its parameters and layout but not
+    ``f`` (Python code, which a file does not hold): :meth:`config` is None, and
+    :func:`mpishard.models.load_model` needs ``f=`` to rebuild it.
 
     Raises:
         TypeError: ``params`` is not a float32 or float64 array.
@@ -68,8 +73,12 @@ class FunctionModel(ModelFileMethods):
                                       "pass predict=fn(params, x) to FunctionModel")
         return self.predict_fn(self.params, x)
 
-    def forward_backward(self, x: Any, y: Any, *, accumulate: bool = False) -> float:
+    def forward_backward(self, x: Any, y: Any, *, accumulate: bool = False,
+                         loss_scale: float = 1.0) -> float:
         """Call ``f`` and store its gradient in ``grads`` (added with ``accumulate=True``).
+
+        The gradient stored is ``loss_scale`` times ``f``'s, scaled while it is
+        copied (a data-parallel strategy passes the rank's row count).
 
         Raises:
             ValueError: the gradient from ``f`` has the wrong shape.
@@ -82,28 +91,20 @@ class FunctionModel(ModelFileMethods):
         if np.dtype(grad.dtype) != self.params.dtype:
             raise TypeError(f"f returned a gradient of dtype {grad.dtype}, "
                             f"expecting {self.params.dtype}")
-        if accumulate:
-            self.grads += self.xp.asarray(grad)
+        g = self.xp.asarray(grad)
+        if not accumulate:
+            self.xp.multiply(g, loss_scale, out=self.grads)
+        elif loss_scale == 1.0:
+            self.grads += g
         else:
-            self.grads[...] = self.xp.asarray(grad)
+            # grads += loss_scale * g, through a buffer made once (no temporary per call).
+            if self._scaled is None:
+                self._scaled = self.xp.empty_like(self.grads)
+            self.xp.multiply(g, loss_scale, out=self._scaled)
+            self.grads += self._scaled
         return float(loss)
 
-    # -- the model API: the shared methods come from ModelFileMethods ----------
-    # (the file does not hold ``f``: it is Python code; load into a model built
-    # with ``f``, or use :meth:`from_file`).
-
-    def predict(self, x: Any) -> Any:
-        """The model's prediction for ``x`` (:meth:`forward`)."""
-        return self.forward(x)
-
-    @classmethod
-    def from_file(cls, path: Any, f: Callable[[Any, Any, Any], tuple[Any, Any]],
-                  predict: Callable[[Any, Any], Any] | None = None) -> FunctionModel:
-        """A new model with the file's layout and parameters around the function ``f``
-        (which the file cannot hold)."""
-        from ..checkpoint.model_api import load_model
-
-        return load_model(path, f=f, predict=predict)
+    _scaled: Any = None    # accumulate with a loss_scale: the scaled gradient
 
     def __repr__(self) -> str:
         return (f"FunctionModel({getattr(self.f, '__name__', self.f)!r}, "

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from .base import no_argument_config
+
 __all__ = [
     "Loss",
     "MSELoss",
@@ -47,6 +49,10 @@ class Loss:
 
     def loss_and_grad(self, out: Any, target: Any, buf: dict[str, Any]) -> tuple[Any, Any]:
         raise NotImplementedError
+
+    def config(self) -> dict[str, Any] | None:
+        """The loss as JSON, or None (see :meth:`~mpishard.nn.Layer.config`)."""
+        return no_argument_config(self, Loss)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

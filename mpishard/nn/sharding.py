@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -180,7 +181,7 @@ class ShardedSequential:
 
     **Whole model** (``stage_layers`` None or covering every layer): the
     :class:`~mpishard.protocols.BucketedModel` protocol, ``forward(x)`` and
-    ``forward_backward(x, y, accumulate=False)``.
+    ``forward_backward(x, y, accumulate=False, loss_scale=1.0)``.
 
     **Stage API**, for pipeline schedules (GPipe, 1F1B). ``micro`` names a
     micro-batch slot: each slot has its own activations, allocated on its first
@@ -319,11 +320,16 @@ class ShardedSequential:
             h = layer.forward(h, buf, None)
         return h.copy()
 
-    def forward_backward(self, x: Any, y: Any, *, accumulate: bool = False) -> float:
+    def forward_backward(self, x: Any, y: Any, *, accumulate: bool = False,
+                         loss_scale: float = 1.0) -> float:
         """Mean loss over the positions of ``x``; gradients into the gradient views.
 
-        The gradients overwrite what the views hold, or are added to it with
-        ``accumulate=True``. Uses micro-batch slot 0 of the stage API.
+        The gradients, of ``loss_scale`` times the mean loss, overwrite what the
+        views hold, or are added to it with ``accumulate=True``. (A data-parallel
+        strategy passes a rank's row count, so that ranks with unequal batches
+        are weighted by their rows: scaling d(loss)/d(output), a buffer of one
+        value per output, costs nothing beside the backward.) Uses micro-batch
+        slot 0 of the stage API.
 
         Raises:
             RuntimeError: this is a pipeline stage, not the whole model.
@@ -334,7 +340,7 @@ class ShardedSequential:
                                f"layers {list(self.stage_layers)} of {self.num_layers}: use "
                                f"forward_stage, loss and backward_stage")
         self.forward_stage(x, 0)
-        loss = self._loss(y, 0)
+        loss = self._loss(y, 0, loss_scale)
         self.backward_stage(None, 0, accumulate=accumulate)
         return float(loss)  # after the backward is queued: a GPU is not made to wait
 
@@ -354,14 +360,17 @@ class ShardedSequential:
         ws.out, ws.grad_out, ws.state = h, None, _FORWARD
         return h
 
-    def loss(self, y: Any, micro: int = 0) -> float:
+    def loss(self, y: Any, micro: int = 0, *, scale: float = 1.0) -> float:
         """Mean loss of slot ``micro``'s output against ``y``. Last stage only.
+
+        The backward that follows starts from the gradient of ``scale`` times
+        the mean loss (the value returned is the plain mean).
 
         Raises:
             RuntimeError: not the last stage, or no ``forward_stage`` in the slot.
             ValueError, TypeError: ``y`` does not fit the output.
         """
-        return float(self._loss(y, micro))
+        return float(self._loss(y, micro, scale))
 
     def backward_stage(self, grad_out: Any = None, micro: int = 0, *,
                        accumulate: bool = False) -> Any:
@@ -431,8 +440,8 @@ class ShardedSequential:
         self.grads = None
 
     def set_backward_hooks(self, hooks: BackwardHooks | None) -> None:
-        """Call ``hooks.before(r)`` / ``hooks.after(r.start)`` around each layer's gradient
-        writes, layers last to first."""
+        """Call ``hooks.before(r)`` / ``hooks.after(r)`` around each layer's gradient
+        writes (``r``: the world range of the layer's tensors), layers last to first."""
         self._hooks = hooks
 
     def set_batch_context(self, step: int, start: int, global_size: int) -> None:
@@ -498,7 +507,7 @@ class ShardedSequential:
                                f"follow (none yet, or its backward is done)")
         return ws
 
-    def _loss(self, y: Any, micro: int) -> Any:
+    def _loss(self, y: Any, micro: int, scale: float = 1.0) -> Any:
         if self.criterion is None:
             raise RuntimeError(f"loss() is computed on the last stage; this stage holds "
                                f"layers {list(self.stage_layers)} of {self.num_layers}")
@@ -513,6 +522,8 @@ class ShardedSequential:
         target = self.criterion.check_target(y, rows, features)
         value, grad = self.criterion.loss_and_grad(ws.out.reshape(rows, features), target,
                                                    ws.loss)
+        if scale != 1.0:
+            grad *= scale          # d(loss)/d(output): one value per output, in place
         ws.grad_out, ws.state = grad.reshape(ws.out_shape), _LOSS
         return value
 
@@ -548,7 +559,7 @@ class ShardedSequential:
                 layer.backward_params(dy, buf, self._grad_views[j],
                                       None if scratch is None else scratch[j])
                 if hooks is not None:
-                    hooks.after(r.start)
+                    hooks.after(r)
             if self._need_dx(j):
                 dy = layer.backward_input(dy, buf)
         return None if self.is_first_stage else dy

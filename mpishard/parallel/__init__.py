@@ -5,7 +5,7 @@ gradients is reduced; it knows nothing of data sets, checkpoints or training
 loops (those are the layers above: :mod:`mpishard.train` runs the loop).
 """
 
-from .base import DataParallelOptimizer, TrainResult
+from .base import DataParallelOptimizer
 from .ddp import DDPOptimizer
 from .hybrid import HybridShardedModel, HybridShardedOptimizer
 from .zero2 import REDUCE_METHODS, ZeRO2Optimizer, choose_reduce_method
@@ -16,7 +16,6 @@ __all__ = [
     "HybridShardedModel",
     "HybridShardedOptimizer",
     "REDUCE_METHODS",
-    "TrainResult",
     "ZeRO2Optimizer",
     "choose_reduce_method",
 ]

@@ -1,4 +1,4 @@
-"""What DDP and ZeRO-2 share: checks at attach, micro-batches, stepping, the loop."""
+"""What DDP and ZeRO-2 share: checks at attach, micro-batches, stepping."""
 
 from __future__ import annotations
 
@@ -7,51 +7,50 @@ import hashlib
 import inspect
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 from ..backend import array_namespace, to_numpy
-from ..comm import Handle
+from ..comm import FlatComm, Handle, world_rank
+from ..comm.buckets import GradientBuckets
 from ..config import ShardingConfiguration
-from ..data import ArrayDataset, ShardedSampler, split_batch
-from ..errors import CommunicationError, MpiShardError, TopologyError
+from ..errors import CommunicationError, MpiShardError, NonFiniteError, TopologyError
 from ..flat import Range, bucket_ranges
+from ..optim.base import CHUNK_ELEMENTS, DEVICE_CHUNK_ELEMENTS
+from ..optim.clip import clip_coefficient, sum_of_squares
 from ..protocols import BucketedModel, Model, Optimizer
 
-__all__ = ["DataParallelOptimizer", "TrainResult"]
+__all__ = ["DataParallelOptimizer"]
 
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
+#: What ``nonfinite=`` accepts.
+NONFINITE_POLICIES = ("error", "skip")
 
-@dataclass
-class TrainResult:
-    """What :meth:`DataParallelOptimizer.optimize` returns."""
-
-    losses: list[float] = field(default_factory=list)   # global mean loss per step
-    steps: int = 0
-    epochs: int = 0
-    seconds: float = 0.0
-    samples: int = 0
-    stopped: bool = False      # a callback stopped training before the last epoch
-
-    @property
-    def samples_per_second(self) -> float:
-        return self.samples / self.seconds if self.seconds > 0 else float("nan")
-
-    @property
-    def final_loss(self) -> float:
-        return self.losses[-1] if self.losses else float("nan")
+# The one small vector every step reduces (float64): the row-weighted loss sum,
+# the row count, this rank's share of the gradient's sum of squares, then one
+# flag per rank of the step group (a non-finite local loss or gradient).
+_LOSS, _ROWS, _SQUARES, _FLAGS = 0, 1, 2, 3
 
 
 class DataParallelOptimizer:
     """Base of the data-parallel strategies; not used directly.
 
-    Subclasses decide where gradients live and how they are reduced
-    (:class:`~mpishard.strategies.DDPOptimizer`,
-    :class:`~mpishard.strategies.ZeRO2Optimizer`); this class owns the checks, the
-    micro-batch bookkeeping, learning-rate schedule, clipping and the training loop.
+    Subclasses say only how one bucket of gradients is reduced and where
+    gradients and state live (:class:`~mpishard.strategies.DDPOptimizer`,
+    :class:`~mpishard.strategies.ZeRO2Optimizer`); the buckets, their readiness
+    and launching are :class:`~mpishard.comm.buckets.GradientBuckets`'. This
+    class owns the checks, the micro-batch bookkeeping, learning-rate schedule,
+    clipping and the non-finite policy. The training loop (``optimize()``) is
+    :mod:`mpishard.train`'s, added by the public classes of
+    :mod:`mpishard.strategies`.
+
+    The mean is over rows, not ranks: each micro-batch's gradient is weighted
+    by its row count (through the model's ``loss_scale``), and ``step()``
+    divides by the global row count, so ranks and micro-batches of any sizes,
+    zero included, give exactly the gradient of the global batch's mean loss.
     """
 
     #: Human-readable name, written into checkpoints and reports.
@@ -60,11 +59,16 @@ class DataParallelOptimizer:
     _model_parallel = False
     #: Extra factor on the summed gradient (a pipeline's 1 / micro-batches).
     _gradient_factor = 1.0
+    #: Buffers the gradient buckets rotate through (ZeRO-2: 2; DDP: none).
+    _slots = 0
+    #: This rank adds its rows and loss to the step's totals (one rank per model replica).
+    _counts_rows = True
 
     def __init__(self, optimizer: Optimizer, config: ShardingConfiguration | None = None, *,
                  model: Model | None = None, bucket_mb: float = 25.0,
                  accumulation_steps: int = 1, max_grad_norm: float | None = None,
-                 schedule: Callable[[int], float] | None = None, overlap: bool = True) -> None:
+                 schedule: Callable[[int], float] | None = None, overlap: bool = True,
+                 nonfinite: str = "error") -> None:
         self.config = config if config is not None else ShardingConfiguration()
         world = self.config.world
         world.agree(None if isinstance(optimizer, Optimizer) else
@@ -77,6 +81,8 @@ class DataParallelOptimizer:
             problem = f"bucket_mb must be positive, got {bucket_mb!r}"
         elif max_grad_norm is not None and not (max_grad_norm > 0):
             problem = f"max_grad_norm must be positive or None, got {max_grad_norm!r}"
+        elif nonfinite not in NONFINITE_POLICIES:
+            problem = f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}"
         world.agree(problem, ValueError)
         topo = self.config.topology
         if topo.tp * topo.pp != 1 and not self._model_parallel:
@@ -90,18 +96,26 @@ class DataParallelOptimizer:
         self.max_grad_norm = max_grad_norm
         self.schedule = schedule
         self.overlap = overlap
+        self.nonfinite = nonfinite
         groups = self.config.groups
         self.dp = groups.dp
         self.model: Model | None = None
         self.step_count = 0
+        #: Steps refused for a non-finite loss or gradient norm (``nonfinite="skip"``);
+        #: they do not count in ``step_count``.
+        self.skipped_steps = 0
         self.last_grad_norm = float("nan")
-        self.sampler: ShardedSampler | None = None
+        # Where the training loop is in the data (epoch, samples_consumed, seed,
+        # batch_size, num_samples, shuffle: ints); kept current by mpishard.train
+        # and saved and restored with checkpoints. None: not trained yet.
+        self.data_position: dict[str, int] | None = None
         self.timings = {"forward_backward": 0.0, "communication": 0.0,
                         "optimizer": 0.0, "gather": 0.0}
         self._pending_micro = 0
-        self._loss_sum = 0.0
+        self._loss_sum = 0.0       # sum over this step's micro-batches of rows * mean loss
+        self._rows = 0             # rows of this step's micro-batches on this rank
+        self._local_bad = False    # a non-finite local loss or gradient this step
         self._no_sync = False
-        self._handles: list[Handle] = []
         self._peak_bytes = 0
         if model is not None:
             self.attach(model)
@@ -120,19 +134,38 @@ class DataParallelOptimizer:
         n, dtype = model.params.size, model.params.dtype.str
         every = self.dp.allgather((n, dtype))
         if len(set(every)) > 1:
-            detail = ", ".join(f"rank {r} has {c} {np.dtype(d).name}" for r, (c, d) in enumerate(every))
+            detail = ", ".join(f"rank {r} has {c} {np.dtype(d).name}"
+                               for r, (c, d) in enumerate(every))
             raise MpiShardError(f"parameters differ between data-parallel ranks: {detail}")
         self.model = model
         self.xp = array_namespace(model.params)
         self.layout = model.layout
-        self.bucketed = isinstance(model, BucketedModel) and self.overlap
         self._accumulates = _accepts_keyword(model.forward_backward, "accumulate")
+        self._scales_loss = _accepts_keyword(model.forward_backward, "loss_scale")
+        # Buckets reduced during the backward must already hold the row-weighted
+        # gradient: a model that cannot scale its loss is reduced after it.
+        self.bucketed = isinstance(model, BucketedModel) and self.overlap and self._scales_loss
         self._batch_context = hasattr(model, "set_batch_context")
         bucket_elements = max(1, int(self.bucket_mb * 2**20) // model.params.itemsize)
-        self.buckets: list[Range] = bucket_ranges(model.layout, bucket_elements)
+        self.buckets = GradientBuckets(bucket_ranges(model.layout, bucket_elements),
+                                       self._reduce, slots=self._slots)
         self.dp.Bcast(model.params, root=0)
         self._setup()
+        self._setup_step()
         self._peak_bytes = max(self._peak_bytes, self._current_bytes())
+
+    def _setup_step(self) -> None:
+        """The step's reduction buffer, who is who in it, and the norm's ranges."""
+        group = self._step_group()
+        self._stepper = group
+        self._step_buffer = np.zeros(_FLAGS + group.size, dtype=np.float64)
+        # (data-parallel rank, world rank) of each rank of the step group, to name
+        # the rank where a non-finite value appeared; gathered once, here.
+        self._who = group.allgather((self.dp.rank, world_rank()))
+        self._norm_ranges = [r for r in self._norm_pieces(self._owned_ranges()) if len(r)]
+        longest = max((len(r) for r in self._norm_ranges), default=1)
+        limit = CHUNK_ELEMENTS if self.xp is np else DEVICE_CHUNK_ELEMENTS
+        self._norm_scratch = self.xp.empty(max(1, min(limit, longest)), dtype=np.float64)
 
     def _require_model(self) -> Model:
         if self.model is None:
@@ -150,143 +183,171 @@ class DataParallelOptimizer:
         finally:
             self._no_sync = False
 
-    def backward(self, x: Any, y: Any) -> float:
+    def backward(self, x: Any, y: Any, *, batch_start: int | None = None,
+                 global_rows: int | None = None) -> float:
         """Forward and backward on this rank's micro-batch; returns its local mean loss.
 
-        Gradients of successive calls accumulate until :meth:`step`. Reductions
-        start during the backward pass where the strategy can. Collective over
-        ``groups.dp`` (every rank calls it the same number of times).
+        Gradients of successive calls accumulate until :meth:`step`, each
+        weighted by its row count, so that ranks and micro-batches of unequal
+        sizes give exactly the mean over every row of the global batch. A batch
+        of no rows calls no model: this rank then adds nothing (its loss is 0.0)
+        but still takes part in every reduction. Reductions start during the
+        backward pass where the strategy can. Collective over ``groups.dp``
+        (every rank calls it the same number of times).
+
+        ``batch_start`` and ``global_rows`` (give both or neither) say that these
+        rows are rows ``[batch_start, batch_start + len(x))`` of a global batch of
+        ``global_rows``: random layers (dropout) draw their masks for the global
+        batch, so any split of it trains the same. Without them, the position
+        is worked out assuming every rank and micro-batch has ``len(x)`` rows.
+
+        Raises:
+            ValueError: only one of ``batch_start`` and ``global_rows`` is given.
         """
         model = self._require_model()
         micro = self._pending_micro
-        # Tell random layers where these rows sit in the global batch. Only known
-        # for the accumulation_steps split; extra no_sync() micro-batches of a
-        # hand-written loop leave the model to its own counter.
-        if self._batch_context and micro < self.accumulation_steps:
-            rows = len(x)
+        rows = len(x)
+        if (batch_start is None) != (global_rows is None):
+            raise ValueError(f"give both batch_start and global_rows or neither, got "
+                             f"batch_start={batch_start!r}, global_rows={global_rows!r}")
+        self.buckets.seconds = 0.0
+        t0 = time.perf_counter()
+        if rows:
+            if self._batch_context:
+                self._set_batch_context(model, micro, rows, batch_start, global_rows)
+            loss = self._backward(model, x, y, micro, rows)
+            if not math.isfinite(loss):
+                self._local_bad = True
+            self._loss_sum += rows * loss
+        else:
+            loss = 0.0
+            self._skip(micro)
+        comm = self.buckets.seconds
+        self.timings["forward_backward"] += time.perf_counter() - t0 - comm
+        self.timings["communication"] += comm
+        self._pending_micro += 1
+        self._rows += rows
+        return loss
+
+    def _set_batch_context(self, model: Any, micro: int, rows: int, batch_start: int | None,
+                           global_rows: int | None) -> None:
+        if batch_start is not None:
+            model.set_batch_context(self.step_count, batch_start, global_rows)
+        elif micro < self.accumulation_steps:
+            # Only known for an even accumulation_steps split; extra no_sync()
+            # micro-batches of a hand-written loop leave the model to its own counter.
             per_rank = rows * self.accumulation_steps
             model.set_batch_context(self.step_count, self.dp.rank * per_rank + micro * rows,
                                     per_rank * self.dp.size)
-        t0 = time.perf_counter()
-        loss = self._backward(model, x, y, micro)
-        self.timings["forward_backward"] += time.perf_counter() - t0 - self._comm_in_backward
-        self.timings["communication"] += self._comm_in_backward
-        self._pending_micro += 1
-        self._loss_sum += loss
-        return loss
 
     def step(self) -> float:
-        """Reduce what is left, clip, update, and return the global mean loss of the
-        micro-batches since the last step. Collective over ``groups.dp``.
+        """Reduce what is left, check, clip, update; return the global mean loss
+        over every row of the micro-batches since the last step.
+
+        One small ``Allreduce`` carries the step's totals: the row-weighted loss,
+        the row count ``N`` (the gradient is averaged as ``1/N`` folded into the
+        update), the gradient's sum of squares (each rank summing only its share
+        of the reduced gradient) and which ranks saw a non-finite value. A NaN or
+        infinite global loss or gradient norm updates nothing: with
+        ``nonfinite="error"`` it raises, with ``"skip"`` the step is counted in
+        :attr:`skipped_steps` (not in :attr:`step_count`) and its loss returned.
+        Collective over ``groups.dp`` (over the world for hybrid layouts).
+
+        Raises:
+            NonFiniteError: (``nonfinite="error"``) on every rank, naming the step
+                and the first rank where a non-finite local loss or gradient
+                appeared; parameters and optimizer state are left unchanged.
+            ValueError: no rank had any rows since the last step (on every rank).
         """
         if self._pending_micro == 0:
             raise RuntimeError("step() called before backward(): there are no gradients")
         t0 = time.perf_counter()
         self._finish_gradients()
         t1 = time.perf_counter()
-        self.timings["communication"] += t1 - t0
-        loss_scale = 1.0 / (self.dp.size * self._pending_micro)
-        scale = loss_scale * self._gradient_factor
+        buf = self._step_buffer
+        buf.fill(0.0)
+        if self._counts_rows:
+            buf[_LOSS] = self._loss_sum
+            buf[_ROWS] = self._rows
+        buf[_SQUARES] = self._local_sum_of_squares()
+        buf[_FLAGS + self._stepper.rank] = self._local_bad
+        t2 = time.perf_counter()
+        self._stepper.Allreduce(buf, slot="step")
+        t3 = time.perf_counter()
+        self.timings["communication"] += (t1 - t0) + (t3 - t2)
+        self._pending_micro = 0
+        self._loss_sum = 0.0
+        self._rows = 0
+        self._local_bad = False
+        rows = int(buf[_ROWS])
+        if rows == 0:
+            raise ValueError("step(): the global batch has no rows (every rank called "
+                             "backward() with an empty batch since the last step)")
+        loss = float(buf[_LOSS]) / rows
+        scale = self._gradient_factor / rows
+        norm = math.sqrt(buf[_SQUARES]) * scale if buf[_SQUARES] >= 0 else float("nan")
+        self.last_grad_norm = norm
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self._refuse(loss, norm)       # raises, or counts the skip
+            self.timings["optimizer"] += (t2 - t1) + (time.perf_counter() - t3)
+            return loss
         coefficient = 1.0
         if self.max_grad_norm is not None:
-            norm = math.sqrt(self._global_sum_of_squares()) * scale
-            self.last_grad_norm = norm
-            coefficient = min(1.0, self.max_grad_norm / (norm + 1e-6))
+            # Not min(1, ...): the norm is finite here, and clip_coefficient never hides NaN.
+            coefficient = clip_coefficient(norm, self.max_grad_norm)
         self.step_count += 1
         lr = self.current_lr()
         self._update(lr, scale * coefficient)
-        t2 = time.perf_counter()
-        self.timings["optimizer"] += t2 - t1
+        t4 = time.perf_counter()
+        self.timings["optimizer"] += (t2 - t1) + (t4 - t3)
         self._gather_parameters()
-        self.timings["gather"] += time.perf_counter() - t2
-        loss = self.dp.allreduce_scalar(self._loss_sum) * loss_scale
-        self._pending_micro = 0
-        self._loss_sum = 0.0
+        self.timings["gather"] += time.perf_counter() - t4
         return loss
+
+    def _refuse(self, loss: float, norm: float) -> None:
+        """A non-finite step: raise (the default) or count it as skipped. Every
+        rank holds the same reduced totals, so every rank takes the same branch."""
+        flags = self._step_buffer[_FLAGS:]
+        first = next((i for i, f in enumerate(flags) if f), None)
+        if first is None and len(flags) == 1:
+            first = 0
+        if self.nonfinite == "skip":
+            self.skipped_steps += 1
+            return
+        step = self.step_count + 1
+        what = " and ".join(name for name, v in (("loss", loss), ("gradient norm", norm))
+                            if not math.isfinite(v))
+        if first is None:
+            rank = world = None
+            where = ("no rank's local loss was non-finite, and the local gradients were "
+                     "reduced as the backward produced them (unchecked, to keep the "
+                     "check one pass), so the rank cannot be named")
+        else:
+            rank, world = self._who[first]
+            where = (f"it first appeared on data-parallel rank {rank} (world rank {world}), "
+                     f"whose local loss or gradient was non-finite")
+        raise NonFiniteError(
+            f"step {step}: non-finite {what} (global mean loss {loss}, gradient norm "
+            f"{norm}); {where}. Parameters and optimizer state are unchanged; pass "
+            f"nonfinite='skip' to skip such steps instead", step=step, rank=rank,
+            world_rank=world)
 
     def train_step(self, x: Any, y: Any) -> float:
         """One optimizer step on this rank's local batch, split into
-        ``accumulation_steps`` micro-batches. Returns the global mean loss.
-        Collective over ``groups.dp``.
+        ``accumulation_steps`` micro-batches (as evenly as the rows allow; a
+        batch may have any number of rows, zero included). Returns the global
+        mean loss. Collective over ``groups.dp``.
         """
-        m = self.accumulation_steps
-        if len(x) % m:
-            raise ValueError(f"local batch of {len(x)} rows does not split into "
-                             f"{m} micro-batches")
-        rows = len(x) // m
+        m, n = self.accumulation_steps, len(x)
         for k in range(m):
-            self.backward(x[k * rows:(k + 1) * rows], y[k * rows:(k + 1) * rows])
+            lo, hi = k * n // m, (k + 1) * n // m
+            self.backward(x[lo:hi], y[lo:hi])
         return self.step()
 
     def current_lr(self) -> float:
         """The learning rate of the current step, schedule applied."""
         factor = self.schedule(max(self.step_count, 1)) if self.schedule is not None else 1.0
         return self.optimizer.lr * factor
-
-    # --- the loop ----------------------------------------------------------
-    def optimize(self, model: Model, data: Any, epochs: int, batch_size: int, *,
-                 shuffle: bool = True, seed: int = 0,
-                 callback: Callable[[int, float], None] | None = None) -> TrainResult:
-        """Train ``model`` for ``epochs`` epochs on ``data`` with global batch
-        ``batch_size``. Collective over ``groups.dp``.
-
-        ``data`` is an ``(inputs, targets)`` pair of arrays (every rank passes the
-        same data; each reads only its rows of each batch) or an object with
-        ``__len__``, ``buffers(rows, xp)`` and ``gather(indices, x_out, y_out)``
-        such as :class:`~mpishard.data.ArrayDataset`. Each global batch is split
-        evenly across the data-parallel ranks and then into micro-batches; the
-        shuffle of an epoch depends on ``(seed, epoch)`` only, so any world size
-        sees the same batches. ``callback(step, loss)`` runs after every step; if
-        it returns True, training stops there (``result.stopped``); it must
-        return the same on every rank.
-
-        Raises:
-            ValueError: ``batch_size`` does not split across the ranks and
-                micro-batches, or exceeds the dataset (on every rank).
-        """
-        if self.model is not model:
-            self.attach(model)
-        dataset = data if hasattr(data, "gather") else ArrayDataset(*data)
-        problem = None
-        try:
-            # A pipelined model cuts each micro-batch again into its own micro-batches.
-            pipeline = getattr(model, "micro_batches", 1)
-            split = split_batch(batch_size, self.dp.size, self.accumulation_steps * pipeline)
-            if self.sampler is None:
-                self.sampler = ShardedSampler(len(dataset), batch_size, seed=seed, shuffle=shuffle)
-            elif self.sampler.num_samples != len(dataset):
-                raise ValueError(f"the data has {len(dataset)} samples but the sampler (restored "
-                                 f"from a checkpoint?) counts {self.sampler.num_samples}")
-            elif self.sampler.batch_size != batch_size:
-                # A new global batch (an elastic resize under scale-lr): keep the data
-                # position, counted in samples, so no sample is repeated or skipped.
-                old = self.sampler
-                self.sampler = ShardedSampler(len(dataset), batch_size, seed=old.state.seed,
-                                              shuffle=old.shuffle)
-                self.sampler.load_state(old.state)
-        except ValueError as exc:
-            problem = str(exc)
-        self.dp.agree(problem, ValueError)
-        sampler = self.sampler
-        assert sampler is not None
-        x, y = dataset.buffers(split.local_size, self.xp, model.params.dtype)
-        lo, hi = split.local_range(self.dp.rank)
-        result = TrainResult()
-        stop_epoch = sampler.state.epoch + epochs
-        t0 = time.perf_counter()
-        while sampler.state.epoch < stop_epoch:
-            dataset.gather(sampler.batch_indices(lo, hi), x, y)
-            loss = self.train_step(x, y)
-            sampler.advance()
-            result.losses.append(loss)
-            result.steps += 1
-            result.samples += batch_size
-            if callback is not None and callback(self.step_count, loss):
-                result.stopped = True   # the callback asked to stop at this step boundary
-                break
-        result.seconds = time.perf_counter() - t0
-        result.epochs = epochs
-        return result
 
     # --- checks and reports -----------------------------------------------
     def verify_in_sync(self) -> None:
@@ -323,19 +384,87 @@ class DataParallelOptimizer:
     def _current_bytes(self) -> int:
         return sum(self._memory().values())
 
-    # --- what subclasses provide -----------------------------------------
-    _comm_in_backward = 0.0
+    # --- for the subclasses ------------------------------------------------
+    def _forward_backward(self, model: Model, x: Any, y: Any, accumulate: bool,
+                          rows: int) -> float:
+        """The model's forward and backward, its gradient weighted by ``rows``
+        (the mean loss's gradient times the rows: the sum over them).
 
+        Library models scale d(loss)/d(output) inside their backward
+        (``loss_scale``), which costs nothing. Any other model's gradient is
+        multiplied afterwards (one pass; with ``accumulate`` the sum so far is
+        divided by ``rows`` first and multiplied back with the new term).
+        """
+        if self._scales_loss:
+            if accumulate:
+                return float(model.forward_backward(x, y, accumulate=True, loss_scale=rows))
+            return float(model.forward_backward(x, y, loss_scale=rows))
+        grads = model.grads
+        if accumulate:
+            grads *= 1.0 / rows
+            loss = model.forward_backward(x, y, accumulate=True)
+        else:
+            loss = model.forward_backward(x, y)
+        grads *= rows
+        return float(loss)
+
+    def _check_local(self, vector: Any) -> None:
+        """Note a non-finite value in this rank's own (unreduced) gradient.
+
+        Only where the whole local gradient exists before a blocking reduction
+        (models without backward hooks), so it costs one read and no overlap; a
+        float64 sum is NaN or infinite exactly when an element is (float32 or
+        float64 elements cannot overflow it short of ~1e308).
+        """
+        if self._stepper.size == 1:
+            return                 # a single rank is named without looking
+        xp = self.xp
+        if not math.isfinite(float(xp.sum(vector, dtype=xp.float64))):
+            self._local_bad = True
+
+    def _local_sum_of_squares(self) -> float:
+        """This rank's share of the reduced gradient's sum of squares (one pass
+        over the share, into a float64 scratch made at attach)."""
+        vector, scratch = self._norm_vector(), self._norm_scratch
+        total = 0.0
+        for r in self._norm_ranges:
+            total += sum_of_squares(vector[r.start:r.stop], scratch)
+        return total
+
+    def _step_group(self) -> FlatComm:
+        """The group the step's totals are reduced over."""
+        return self.dp
+
+    def _owned_ranges(self) -> list[Range]:
+        """World ranges of the model's vector whose squares this rank's replica
+        counts in the norm (all of it; a tensor-parallel rank owns less)."""
+        return [Range(0, self.model.params.size)]
+
+    # --- what subclasses provide -----------------------------------------
     def _setup(self) -> None:
         raise NotImplementedError
 
-    def _backward(self, model: Model, x: Any, y: Any, micro: int) -> float:
+    def _reduce(self, index: int, source: Any, blocking: bool) -> Handle | None:
+        """Reduce bucket ``index`` whose unreduced gradient is ``source``."""
+        raise NotImplementedError
+
+    def _backward(self, model: Model, x: Any, y: Any, micro: int, rows: int) -> float:
+        raise NotImplementedError
+
+    def _skip(self, micro: int) -> None:
+        """A micro-batch of no rows: contribute zeros, join every reduction."""
         raise NotImplementedError
 
     def _finish_gradients(self) -> None:
         raise NotImplementedError
 
-    def _global_sum_of_squares(self) -> float:
+    def _norm_pieces(self, owned: list[Range]) -> list[Range]:
+        """The ranges of :meth:`_norm_vector` whose squares this rank sums, from
+        the world ranges its replica owns; over the step group each element of
+        the reduced gradient is counted once."""
+        raise NotImplementedError
+
+    def _norm_vector(self) -> Any:
         raise NotImplementedError
 
     def _update(self, lr: float, grad_scale: float) -> None:
@@ -346,11 +475,6 @@ class DataParallelOptimizer:
 
     def _memory(self) -> dict[str, int]:
         raise NotImplementedError
-
-    def _wait_all(self) -> None:
-        for handle in self._handles:
-            handle.wait()
-        self._handles.clear()
 
 
 def _model_problem(model: Any) -> str | None:

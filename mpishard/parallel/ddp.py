@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from ..flat import Range
-from ..optim.clip import sum_of_squares
+from ..comm import Handle
+from ..flat import Range, shard_ranges
 from ..protocols import Model
 from .base import DataParallelOptimizer, _nbytes
 
@@ -20,19 +19,24 @@ class DDPOptimizer(DataParallelOptimizer):
     state and applies the same update, so the replicas stay identical. The
     gradient vector is cut into buckets of whole layers (``bucket_mb`` MiB) in
     backward order; with the library's models each bucket's non-blocking
-    ``Iallreduce`` starts as soon as the backward pass has written it, so
-    communication overlaps the rest of the backward. Averaging (1/N) and any
-    clipping are folded into the optimizer's update, so they cost no extra pass.
+    ``Iallreduce`` starts as soon as the backward pass has written it
+    (:class:`~mpishard.comm.buckets.GradientBuckets`), so communication overlaps
+    the rest of the backward. Each rank's gradient is weighted by its rows, and
+    averaging (1/rows of the global batch) and any clipping are folded into the
+    optimizer's update, so they cost no extra pass.
 
     Args:
         optimizer: the update rule (:mod:`mpishard.optim`).
         config: the layout; data parallel over ``config.groups.dp``.
-        model: attach at once (otherwise :meth:`attach` or :meth:`optimize` does).
+        model: attach at once (otherwise :meth:`attach` or ``optimize`` does).
         bucket_mb: bucket size in MiB.
         accumulation_steps: micro-batches per step; only the last communicates.
         max_grad_norm: clip by the global gradient norm.
         schedule: ``step -> factor`` of the learning rate.
         overlap: start bucket reductions during backward (library models only).
+        nonfinite: ``"error"`` (default: a NaN or infinite loss or gradient norm
+            raises :class:`~mpishard.errors.NonFiniteError` on every rank) or
+            ``"skip"`` (no update on any rank; counted in ``skipped_steps``).
 
     Example::
 
@@ -46,80 +50,85 @@ class DDPOptimizer(DataParallelOptimizer):
         model = self.model
         xp, n, dtype = self.xp, model.params.size, model.params.dtype
         self.state = self.optimizer.init_state(n, dtype, xp)
-        # Models that cannot accumulate into their own gradient get a buffer.
+        # Models that cannot accumulate into their own gradient get a buffer
+        # (made here for accumulation_steps, on first need for no_sync()).
         needs_buffer = self.accumulation_steps > 1 and not self._accumulates
         self._accum = xp.zeros(n, dtype=dtype) if needs_buffer else None
-        self._next_bucket = 0
-        self._syncing = False
+        self.buckets.vector = self._grad_vector
         if self.bucketed:
-            model.set_backward_hooks(self)
+            model.set_backward_hooks(self.buckets)
 
     @property
     def _grad_vector(self) -> Any:
         return self._accum if self._accum is not None else self.model.grads
 
-    # Backward hooks (protocols.BackwardHooks): launch every bucket whose lowest
-    # offset the backward has passed; buckets are ordered highest offsets first.
-    def before(self, r: Range) -> None:
-        pass
-
-    def after(self, lo: int) -> None:
-        if not self._syncing:
-            return
-        buckets = self.buckets
-        while self._next_bucket < len(buckets) and buckets[self._next_bucket].start >= lo:
-            self._launch(self._next_bucket)
-            self._next_bucket += 1
-        # Non-blocking collectives only move when MPI is entered: poke them.
-        for handle in self._handles:
-            handle.test()
-
-    def _launch(self, index: int, blocking: bool = False) -> None:
-        b = self.buckets[index]
+    # --- how one bucket is reduced -------------------------------------------
+    def _reduce(self, index: int, source: Any, blocking: bool) -> Handle | None:
         if self.dp.size == 1:
-            return
-        grads = self._grad_vector[b.start:b.stop]
+            return None
         if blocking:
-            # Nothing left to overlap with: the blocking Allreduce is the faster
-            # one (Open MPI 4.1's libnbc Iallreduce measured ~2x slower here).
-            self.dp.Allreduce(grads, slot=index)
-        else:
-            self._handles.append(self.dp.Iallreduce(grads, slot=index))
+            self.dp.Allreduce(source, slot=index)
+            return None
+        return self.dp.Iallreduce(source, slot=index)
 
-    def _launch_rest(self) -> None:
-        """Reduce the buckets the backward pass has not launched, blocking."""
-        while self._next_bucket < len(self.buckets):
-            self._launch(self._next_bucket, blocking=True)
-            self._next_bucket += 1
-
-    def _backward(self, model: Model, x: Any, y: Any, micro: int) -> float:
-        self._comm_in_backward = 0.0
+    # --- one micro-batch --------------------------------------------------------
+    def _begin(self, micro: int) -> bool:
+        """Start a micro-batch; True when it is the step's last (it communicates)."""
         last = not self._no_sync and micro + 1 >= self.accumulation_steps
-        self._syncing = last
-        self._next_bucket = 0
-        if self._accumulates:
-            loss = model.forward_backward(x, y, accumulate=micro > 0)
+        self.buckets.begin(last)
+        return last
+
+    def _backward(self, model: Model, x: Any, y: Any, micro: int, rows: int) -> float:
+        last = self._begin(micro)
+        if self._accumulates and self._accum is None:
+            loss = self._forward_backward(model, x, y, micro > 0, rows)
         else:
-            loss = model.forward_backward(x, y)
+            if micro > 0 and self._accum is None:
+                # no_sync() with a model that overwrites its gradient: keep the sum here.
+                self._accum = self.xp.empty_like(model.grads)
+                self._accum[...] = model.grads
+                self.buckets.vector = self._accum
+            loss = self._forward_backward(model, x, y, False, rows)
             if self._accum is not None:
                 if micro == 0:
                     self._accum[...] = model.grads
                 else:
                     self._accum += model.grads
         if last:
-            t0 = time.perf_counter()
-            self._launch_rest()
-            self._comm_in_backward += time.perf_counter() - t0
-        self._syncing = False
-        return float(loss)
+            self._reduce_rest()
+        return loss
+
+    def _skip(self, micro: int) -> None:
+        last = self._begin(micro)
+        if micro == 0:
+            self._grad_vector.fill(0)
+        if last:
+            if self.bucketed:
+                # The other ranks' backward launches every bucket non-blocking.
+                self.buckets.flush(blocking=False)
+            else:
+                self._reduce_rest()
+
+    def _reduce_rest(self) -> None:
+        """Reduce the buckets the backward pass has not launched, blocking."""
+        if not self.bucketed:
+            self._check_local(self._grad_vector)
+        self.buckets.flush()
 
     def _finish_gradients(self) -> None:
-        self._wait_all()
-        self._launch_rest()   # all micro-batches ran under no_sync(): reduce now
+        self.buckets.wait()
+        if not self.buckets.launched_all:
+            self._reduce_rest()   # all micro-batches ran under no_sync(): reduce now
 
-    def _global_sum_of_squares(self) -> float:
-        # Every replica holds the same summed gradient: no communication needed.
-        return sum_of_squares(self._grad_vector)
+    # --- norm and update ----------------------------------------------------------
+    def _norm_pieces(self, owned: list[Range]) -> list[Range]:
+        # Every replica holds the same reduced gradient: each sums the squares of
+        # its 1/N of it, so the check costs 1/N of a pass.
+        mine = shard_ranges(self.model.params.size, self.dp.size)[self.dp.rank]
+        return [r.intersect(mine) for r in owned]
+
+    def _norm_vector(self) -> Any:
+        return self._grad_vector
 
     def _update(self, lr: float, grad_scale: float) -> None:
         self.optimizer.update(self.model.params, self._grad_vector, self.state,

@@ -9,15 +9,14 @@ or ZeRO-2 on that shard exactly as it would on a whole model.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from mpi4py import MPI
-
+from ..comm import FlatComm
 from ..config import ShardingConfiguration
 from ..errors import TopologyError
 from ..flat import Range
 from ..nn.sharding import owned_ranges, tensor_shards
-from ..optim.clip import sum_of_squares
 from ..pipeline.executor import PipelineStage
 from ..pipeline.partition import balance_stages, check_boundaries
 from ..pipeline.schedules import SCHEDULES
@@ -62,8 +61,8 @@ class HybridShardedModel:
                  data_parallel_size: int | None = None, *, micro_batches: int = 1,
                  schedule: str = "1f1b", stages: list | None = None) -> None:
         if config is None:
-            config = ShardingConfiguration(
-                MPI.COMM_WORLD, tensor_parallel_size=tensor_parallel_size or 1,
+            config = ShardingConfiguration(   # over MPI.COMM_WORLD
+                tensor_parallel_size=tensor_parallel_size or 1,
                 pipeline_parallel_size=pipeline_parallel_size or 1,
                 data_parallel_size=data_parallel_size or -1)
         topo = config.topology
@@ -75,7 +74,8 @@ class HybridShardedModel:
         config.world.agree("; ".join(clash) or None, TopologyError)
         problem = None
         if schedule not in SCHEDULES:
-            problem = f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}"
+            problem = (f"unknown pipeline schedule {schedule!r}: choose one of "
+                       f"{', '.join(SCHEDULES)}")
         elif not isinstance(micro_batches, int) or micro_batches < 1:
             problem = f"micro_batches must be a positive integer, got {micro_batches!r}"
         config.world.agree(problem, ValueError)
@@ -126,13 +126,16 @@ class HybridShardedModel:
         tensor groups."""
         return self.runner.forward(x)
 
-    def forward_backward(self, x: Any, y: Any, *, accumulate: bool = False) -> float:
+    def forward_backward(self, x: Any, y: Any, *, accumulate: bool = False,
+                         loss_scale: float = 1.0) -> float:
         """One pass of the pipeline schedule over this replica's batch ``(x, y)``;
-        the mean loss on every rank. Gradients are the micro-batches' sum: the
-        optimizer divides by ``micro_batches``. Collective over pipeline and tensor
-        groups."""
+        the mean loss on every rank. Gradients are the micro-batches' sum (of
+        ``loss_scale`` times each one's mean loss: the last stage scales
+        d(loss)/d(output)): the optimizer divides by ``micro_batches``.
+        Collective over pipeline and tensor groups."""
         context, self._context = self._context, None
-        return self.runner.run(x, y, accumulate=accumulate, context=context)
+        return self.runner.run(x, y, accumulate=accumulate, context=context,
+                               loss_scale=loss_scale)
 
     def set_batch_context(self, step: int, start: int, global_size: int) -> None:
         self._context = (step, start, global_size)
@@ -160,8 +163,10 @@ class HybridShardedOptimizer:
     the gradient average, and computes the global gradient norm for clipping over
     the whole job, counting every logical parameter once: split tensors by their
     slices, tensors replicated over the tensor group on tensor rank 0 only, and
-    (DDP) replicas on data rank 0 only. The other options and every method are
-    those of :class:`~mpishard.strategies.DDPOptimizer`.
+    each data-parallel rank its shard of the reduced gradient. The step's totals
+    (loss, rows, norm, non-finite flags) are reduced over the world in one
+    small ``Allreduce``. The other options (``nonfinite`` included) and every
+    method are those of :class:`~mpishard.strategies.DDPOptimizer`.
     """
 
     def __new__(cls, optimizer: Any, config: ShardingConfiguration | None = None, *,
@@ -187,30 +192,29 @@ class _HybridMixin:
 
     def _setup(self) -> None:
         super()._setup()
-        model = self.model
-        self._gradient_factor = 1.0 / getattr(model, "micro_batches", 1)
-        groups = self.config.groups
-        self._world = groups.world
-        owned = owned_ranges(model.layout, tensor_shards(model), groups.coordinates.tp)
-        self._norm_ranges = self._count_once(owned)
+        self._gradient_factor = 1.0 / getattr(self.model, "micro_batches", 1)
+        # Every rank of a model replica (its tensor and pipeline ranks) sees the
+        # same rows and the same loss: one of them counts them in the step's totals.
+        c = self.config.groups.coordinates
+        self._counts_rows = c.tp == 0 and c.pp == 0
 
-    def _global_sum_of_squares(self) -> float:
-        vector = self._norm_vector()
-        local = sum(sum_of_squares(vector[r.start:r.stop]) for r in self._norm_ranges)
-        return self._world.allreduce_scalar(local)
+    def _step_group(self) -> FlatComm:
+        # The norm sums over stages and tensor slices as well: the whole job.
+        return self.config.groups.world
+
+    def _owned_ranges(self) -> list[Range]:
+        # Split tensors by their slices, replicated ones on tensor rank 0 only;
+        # the strategy then cuts these by data-parallel shard, so each logical
+        # element of the gradient is counted once over the world.
+        model = self.model
+        return owned_ranges(model.layout, tensor_shards(model),
+                            self.config.groups.coordinates.tp)
 
 
 class HybridDDPOptimizer(_HybridMixin, DDPOptimizer, HybridShardedOptimizer):
     """DDP over the data group of a :class:`HybridShardedModel`."""
 
     strategy = "hybrid-ddp"
-
-    def _count_once(self, owned: list[Range]) -> list[Range]:
-        # Every data-parallel replica holds the same summed gradient: count one.
-        return owned if self.dp.rank == 0 else []
-
-    def _norm_vector(self) -> Any:
-        return self._grad_vector
 
 
 class HybridZeRO2Optimizer(_HybridMixin, ZeRO2Optimizer, HybridShardedOptimizer):
@@ -222,11 +226,3 @@ class HybridZeRO2Optimizer(_HybridMixin, ZeRO2Optimizer, HybridShardedOptimizer)
     """
 
     strategy = "hybrid-zero2"
-
-    def _count_once(self, owned: list[Range]) -> list[Range]:
-        # The shards partition the stage's vector: intersect, in shard coordinates.
-        mine = [r.intersect(self.shard).shift(self.shard.start) for r in owned]
-        return [r for r in mine if len(r)]
-
-    def _norm_vector(self) -> Any:
-        return self.shard_grad

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import bisect
 import time
 from typing import Any
-
-from mpi4py import MPI
 
 from ..comm import FlatComm, Handle
 from ..errors import MpiShardError
 from ..flat import Range, shard_ranges
-from ..optim.clip import sum_of_squares
 from ..protocols import Model
 from .base import DataParallelOptimizer, _nbytes
 
@@ -30,7 +26,8 @@ class ZeRO2Optimizer(DataParallelOptimizer):
     The flat vector is cut into N contiguous shards (:func:`~mpishard.flat.shard_ranges`;
     shards do not respect tensor boundaries, the last ones may be shorter). With the
     library's models the backward pass writes gradients into two bucket-sized
-    buffers in turn; each bucket, once complete, is reduced to its shards
+    buffers in turn (the slots of :class:`~mpishard.comm.buckets.GradientBuckets`);
+    each bucket, once complete, is reduced to its shards
     (``Ireduce_scatter`` with per-rank counts, or ``Iallreduce`` and keep my piece,
     whichever :func:`choose_reduce_method` measured faster) while the backward
     goes on, and the rank keeps only the piece of its shard. The full reduced
@@ -47,7 +44,7 @@ class ZeRO2Optimizer(DataParallelOptimizer):
     does at stage 2); :meth:`no_sync` is not available, since skipping the
     reduction would need the full gradient.
 
-    Args: as :class:`~mpishard.strategies.DDPOptimizer`, and
+    Args: as :class:`~mpishard.strategies.DDPOptimizer` (``nonfinite`` included), and
         reduce_method: ``"auto"`` (measure both at attach, on a bucket-sized
             buffer, and keep the faster), ``"reduce_scatter"`` or ``"allreduce"``.
             Both give the same sum up to rounding; on 3 or more ranks they may
@@ -56,6 +53,7 @@ class ZeRO2Optimizer(DataParallelOptimizer):
     """
 
     strategy = "zero2"
+    _slots = _SLOTS
 
     def __init__(self, optimizer, config=None, *, reduce_method: str = "auto", **kwargs) -> None:
         if reduce_method not in ("auto",) + REDUCE_METHODS:
@@ -67,7 +65,7 @@ class ZeRO2Optimizer(DataParallelOptimizer):
 
     # --- setting up ----------------------------------------------------------
     def _setup(self) -> None:
-        model, xp, dp = self.model, self.xp, self.dp
+        model, xp, dp, buckets = self.model, self.xp, self.dp, self.buckets
         n, dtype = model.params.size, model.params.dtype
         self.shards = shard_ranges(n, dp.size)
         self.shard = self.shards[dp.rank]
@@ -76,127 +74,100 @@ class ZeRO2Optimizer(DataParallelOptimizer):
         self.state = self.optimizer.init_state(len(self.shard), dtype, xp)
         self._params_shard = model.params[self.shard.start:self.shard.stop]
         # Per bucket: the pieces every rank receives, and where mine goes.
-        self._counts = [[len(b.intersect(s)) for s in self.shards] for b in self.buckets]
-        self._mine = [b.intersect(self.shard) for b in self.buckets]
-        self._starts = [-b.start for b in self.buckets]   # ascending, for bisect
-        self._slot_owner: list[Handle | None] = [None] * _SLOTS
-        self._next_bucket = 0
-        self._scratch = None
-        if self.accumulation_steps > 1 and dp.size > 1:
-            # Later micro-batches are received here and added to the shard.
-            size = max(max(len(m) for m in self._mine), 1)
-            self._scratch = [xp.empty(size, dtype=dtype) for _ in range(_SLOTS)]
+        self._counts = [[len(b.intersect(s)) for s in self.shards] for b in buckets.ranges]
+        self._mine = [b.intersect(self.shard) for b in buckets.ranges]
+        # Later micro-batches are received here and added to the shard (one per
+        # slot, made on first need: only accumulation uses them).
+        self._scratch: list[Any] | None = None
         if self.bucketed:
-            sizes = [0] * _SLOTS
-            for j, b in enumerate(self.buckets):
-                sizes[j % _SLOTS] = max(sizes[j % _SLOTS], len(b))
-            self.slots = [xp.zeros(s, dtype=dtype) for s in sizes]
-            views = {}
-            for j, b in enumerate(self.buckets):
-                for spec in self.layout.tensors_in(b):
-                    lo = spec.offset - b.start
-                    views[spec.name] = self.slots[j % _SLOTS][lo:lo + spec.size].reshape(spec.shape)
-            model.bind_gradients(views.__getitem__)
-            model.set_backward_hooks(self)
+            buckets.allocate(xp, dtype)
+            model.bind_gradients(buckets.gradient_views(self.layout))
+            model.set_backward_hooks(buckets)
         else:
-            self.slots = []
+            buckets.vector = model.grads
         if self.reduce_method == "auto":
             self.reduce_method = choose_reduce_method(
-                dp, max(len(b) for b in self.buckets), dtype, xp, self.reduce_timings,
+                dp, max(len(b) for b in buckets.ranges), dtype, xp, self.reduce_timings,
                 blocking=not self.bucketed)
 
-    def _source(self, index: int) -> Any:
-        """The unreduced gradient of bucket ``index``."""
-        b = self.buckets[index]
-        if self.bucketed:
-            return self.slots[index % _SLOTS][:len(b)]
-        return self.model.grads[b.start:b.stop]
+    @property
+    def slots(self) -> list[Any]:
+        """The bucket buffers the backward writes into (empty without hooks)."""
+        return self.buckets.buffers
 
-    # --- backward hooks (protocols.BackwardHooks) ---------------------------
-    def before(self, r: Range) -> None:
-        # The bucket holding r reuses the slot of the bucket two earlier: that
-        # reduction must be complete before the backward overwrites its buffer.
-        self._release(bisect.bisect_left(self._starts, -r.start) % _SLOTS)
-
-    def after(self, lo: int) -> None:
-        buckets = self.buckets
-        while self._next_bucket < len(buckets) and buckets[self._next_bucket].start >= lo:
-            self._launch(self._next_bucket)
-            self._next_bucket += 1
-        for handle in self._handles:
-            handle.test()
-
-    # --- reduction to shards -------------------------------------------------
-    def _launch(self, index: int, blocking: bool = False) -> None:
-        b, mine = self.buckets[index], self._mine[index]
-        source = self._source(index)
+    # --- how one bucket is reduced: to the shards ----------------------------
+    def _reduce(self, index: int, source: Any, blocking: bool) -> Handle | None:
+        # GradientBuckets has waited for this slot's previous reduction, so its
+        # scratch (and, bucketed, its buffer) is free.
+        b, mine = self.buckets.ranges[index], self._mine[index]
         local = mine.shift(self.shard.start)
         target = self.shard_grad[local.start:local.stop]
         piece = source[mine.start - b.start:mine.stop - b.start] if len(mine) else source[:0]
         first = self._micro_now == 0
         if self.dp.size == 1:
             _store(target, piece, first)
-            return
+            return None
         slot = index % _SLOTS
-        self._release(slot)   # its scratch (and, bucketed, its buffer) must be free
+        recv = target if first else self._scratch_of(slot)[:len(mine)]
         if blocking:
-            # Nothing left to overlap with: blocking collectives are faster than
-            # Open MPI 4.1's non-blocking ones (libnbc), measured ~2x at MiBs.
             if self.reduce_method == "allreduce":
                 self.dp.Allreduce(source, slot=slot)
                 _store(target, piece, first)
             else:
-                recv = target if first else self._scratch[slot][:len(mine)]
                 self.dp.Reduce_scatter(source, recv, self._counts[index], slot=slot)
                 if not first:
                     _store(target, recv, False)
-            return
+            return None
         if self.reduce_method == "allreduce":
-            handle = self.dp.Iallreduce(source, slot=slot,
-                                        finish=lambda: _store(target, piece, first))
-        else:
-            recv = target if first else self._scratch[slot][:len(mine)]
-            finish = None if first else (lambda: _store(target, recv, False))
-            handle = self.dp.Ireduce_scatter(source, recv, self._counts[index], slot=slot,
-                                             finish=finish)
-        self._handles.append(handle)
-        self._slot_owner[slot] = handle
+            return self.dp.Iallreduce(source, slot=slot,
+                                      finish=lambda: _store(target, piece, first))
+        finish = None if first else (lambda: _store(target, recv, False))
+        return self.dp.Ireduce_scatter(source, recv, self._counts[index], slot=slot,
+                                       finish=finish)
 
-    def _release(self, slot: int) -> None:
-        owner = self._slot_owner[slot]
-        if owner is not None:
-            t0 = time.perf_counter()
-            owner.wait()
-            self._comm_in_backward += time.perf_counter() - t0
-            self._slot_owner[slot] = None
+    def _scratch_of(self, slot: int) -> Any:
+        if self._scratch is None:
+            size = max(max(len(m) for m in self._mine), 1)
+            self._scratch = [self.xp.empty(size, dtype=self.model.params.dtype)
+                             for _ in range(_SLOTS)]
+            self._peak_bytes = max(self._peak_bytes, self._current_bytes())
+        return self._scratch[slot]
 
-    def _backward(self, model: Model, x: Any, y: Any, micro: int) -> float:
+    # --- one micro-batch -------------------------------------------------------
+    def _begin(self, micro: int) -> None:
         if self._no_sync:
             raise MpiShardError("no_sync() is not available with ZeRO-2: gradients are "
                                 "reduced to shards during every backward; use "
                                 "accumulation_steps to accumulate into the shards")
-        self._comm_in_backward = 0.0
         self._micro_now = micro
-        self._next_bucket = 0
-        loss = model.forward_backward(x, y)
-        t0 = time.perf_counter()
+        self.buckets.begin(True)
+
+    def _backward(self, model: Model, x: Any, y: Any, micro: int, rows: int) -> float:
+        self._begin(micro)
+        loss = self._forward_backward(model, x, y, False, rows)
+        if not self.bucketed:
+            self._check_local(model.grads)
         # The backward is over: reduce the rest with blocking collectives. (For a
         # model without hooks that is every bucket, and it must be done before
         # the next backward overwrites the model's own gradient.)
-        while self._next_bucket < len(self.buckets):
-            self._launch(self._next_bucket, blocking=True)
-            self._next_bucket += 1
-        self._comm_in_backward += time.perf_counter() - t0
-        return float(loss)
+        self.buckets.flush()
+        return loss
+
+    def _skip(self, micro: int) -> None:
+        self._begin(micro)
+        # Bucketed, the other ranks' backward launches every bucket non-blocking.
+        self.buckets.flush(zero=True, blocking=not self.bucketed)
 
     def _finish_gradients(self) -> None:
-        self._wait_all()
-        self._slot_owner = [None] * _SLOTS
+        self.buckets.wait()
 
-    # --- update and gather ---------------------------------------------------
-    def _global_sum_of_squares(self) -> float:
+    # --- norm, update and gather -----------------------------------------------
+    def _norm_pieces(self, owned: list[Range]) -> list[Range]:
         # Shards partition the vector: each element is counted exactly once.
-        return self.dp.allreduce_scalar(sum_of_squares(self.shard_grad))
+        return [r.intersect(self.shard).shift(self.shard.start) for r in owned]
+
+    def _norm_vector(self) -> Any:
+        return self.shard_grad
 
     def _update(self, lr: float, grad_scale: float) -> None:
         if len(self.shard):
@@ -258,8 +229,9 @@ def choose_reduce_method(dp: FlatComm, elements: int, dtype: Any, xp: Any,
     ``Allreduce`` of the same buffer at 4 MiB and above on the machines this was
     written on, and the answer differs between MPI libraries and networks. Each
     method's time is the slowest rank's best of ``repeats`` rounds that
-    alternate the methods; every rank returns the same answer. ``blocking`` measures the blocking forms (used when the
-    reduction does not overlap a backward pass). Collective over ``dp``.
+    alternate the methods; every rank returns the same answer. ``blocking``
+    measures the blocking forms (used when the reduction does not overlap a
+    backward pass). Collective over ``dp``.
     """
     if dp.size == 1:
         return "reduce_scatter"
@@ -284,7 +256,7 @@ def choose_reduce_method(dp: FlatComm, elements: int, dtype: Any, xp: Any,
                 dp.Ireduce_scatter(buf, recv, counts, slot="probe").wait()
             if round_:
                 best[method] = min(best[method], time.perf_counter() - t0)
-    times = {m: dp.allreduce_scalar(best[m], op=MPI.MAX) for m in REDUCE_METHODS}
+    times = {m: dp.allreduce_scalar(best[m], op="max") for m in REDUCE_METHODS}
     if record is not None:
         record.update(times)
     return min(REDUCE_METHODS, key=lambda m: (times[m], m))

@@ -58,7 +58,7 @@ class PipelineStage:
 
     # -- one step -------------------------------------------------------------------
     def run(self, x: Any, y: Any, *, accumulate: bool = False,
-            context: tuple[int, int, int] | None = None) -> float:
+            context: tuple[int, int, int] | None = None, loss_scale: float = 1.0) -> float:
         """Forward and backward of all micro-batches; returns the mean loss of the
         step on every stage (broadcast from the last). Gradients are the sum of
         the micro-batches' (each a mean): the caller scales by ``1/micro_batches``.
@@ -90,7 +90,8 @@ class PipelineStage:
                     model.set_batch_context(step, start + i * b, global_size)
                 out = model.forward_stage(inp, micro=k)
                 if last:
-                    total_loss += model.loss(y[i * b:(i + 1) * b], micro=k)
+                    # loss_scale: gradients of loss_scale x the mean (the loss stays the mean).
+                    total_loss += model.loss(y[i * b:(i + 1) * b], micro=k, scale=loss_scale)
                 self.busy_seconds += time.perf_counter() - t0
                 if not last:
                     self._sends[("out", k)] = self.pp.Isend(out, dest=nxt, tag=2 * i,
