@@ -15,8 +15,9 @@ Pure arithmetic: nothing here imports MPI.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 

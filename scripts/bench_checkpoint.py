@@ -41,7 +41,8 @@ import os
 import shutil
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -148,9 +149,12 @@ def bench(size: int, folder: str, repeats: int) -> None:
         for k in range(repeats):
             path = os.path.join(folder, f"ckpt-{k % 2}.h5")
             runs = [
-                (ck, lambda: save_checkpoint(path, model, zero2, durable=durable)),
-                (nps, lambda: numpy_save(folder, arrays, durable, k) if rank == 0 else None),
-                (over, lambda: numpy_save(folder, arrays, durable, k, True)
+                # The lambdas run inside this iteration: binding now is only for clarity.
+                (ck, lambda path=path, durable=durable: save_checkpoint(
+                    path, model, zero2, durable=durable)),
+                (nps, lambda durable=durable, k=k: numpy_save(folder, arrays, durable, k)
+                 if rank == 0 else None),
+                (over, lambda durable=durable, k=k: numpy_save(folder, arrays, durable, k, True)
                  if rank == 0 else None),
             ]
             # Each goes first in turn: the run right after the previous files were

@@ -28,6 +28,8 @@ import sys
 import time
 
 import mpishard  # noqa: F401  (limits BLAS threads per rank before NumPy loads)
+
+# isort: split
 import numpy as np
 from mpi4py import MPI
 

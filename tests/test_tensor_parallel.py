@@ -226,7 +226,11 @@ def test_bad_sizes_raise_on_every_rank(config):
     # Arguments that differ between ranks: only ranks != 0 find the problem, and
     # every rank raises it (none is left waiting in a collective).
     heads = 2 * p if comm.rank == 0 else 2 * p + 1
-    with pytest.raises(ValueError, match=f"rank 1: n_heads={2 * p + 1}"):
+    # The prefix names the first failing rank of the group, and its world rank
+    # where that differs (the second tensor group at 4 ranks: world rank 3).
+    world = WORLD.Get_rank() - comm.rank + 1
+    where = "rank 1" if world == 1 else rf"rank 1 \(world rank {world}\)"
+    with pytest.raises(ValueError, match=rf"{where}: n_heads={2 * p + 1}"):
         GPT(13, 6, 2 * heads, heads, 1, tp_comm=comm)
     # Still in step: a collective afterwards completes.
     assert comm.comm.allreduce(1) == p

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["EXAMPLES", "OPTIONS", "Option", "Settings", "UsageError", "build_parser", "check",
            "load_toml", "parse_args", "plan_runs"]
@@ -239,7 +240,8 @@ def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in str(text).split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expecting comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expecting comma-separated integers, got {text!r}") from None
     if not values:
         raise argparse.ArgumentTypeError(f"expecting comma-separated integers, got {text!r}")
     return values

@@ -14,8 +14,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["Curves", "add_plot_parser", "main", "plot_metrics", "read_metrics"]
 
@@ -81,7 +82,7 @@ def _number(v: Any) -> bool:
 def plot_metrics(paths: Sequence[str], output: str, *, log_scale: bool = True,
                  title: str | None = None) -> str:
     """Draw the curves of ``paths`` (one panel each) into the PNG ``output``; its path."""
-    from matplotlib.figure import Figure   # the OO API: no pyplot, no display, Agg for PNG
+    from matplotlib.figure import Figure  # the OO API: no pyplot, no display, Agg for PNG
 
     all_curves = [read_metrics(p) for p in paths]
     fig = Figure(figsize=(7.0, 3.2 * len(all_curves)), layout="constrained")
@@ -90,7 +91,8 @@ def plot_metrics(paths: Sequence[str], output: str, *, log_scale: bool = True,
         if curves.train:
             ax.plot(*curves.series(curves.train), lw=1.2, label="training loss")
         elif curves.epochs:
-            ax.plot(*curves.series(curves.epochs), lw=1.2, marker=".", label="training loss (epoch mean)")
+            ax.plot(*curves.series(curves.epochs), lw=1.2, marker=".",
+                    label="training loss (epoch mean)")
         if curves.validation:
             ax.plot(*curves.series(curves.validation), "o-", ms=3, lw=1.0,
                     label="validation loss")

@@ -31,8 +31,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence, TextIO
+from typing import TextIO
 
 from ..exitcodes import EXIT_STOPPED
 from .slots import SlotSource, next_size
@@ -96,7 +97,8 @@ class ElasticAgent:
             raise ValueError(f"launcher must be mpirun, srun or auto, got {self.launcher!r}")
         self._rescan = False
         self._stop_signal: int | None = None
-        self._log_file = open(self.log, "a") if self.log else None
+        # Held open for the agent's life (closed in run()): every event is appended.
+        self._log_file = open(self.log, "a") if self.log else None  # noqa: SIM115
         import tempfile
 
         self._ready_file = os.path.join(tempfile.gettempdir(),
