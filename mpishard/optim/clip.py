@@ -33,17 +33,29 @@ __all__ = [
 def sum_of_squares(x: Any, scratch: Any = None) -> float:
     """The sum of ``x**2`` over all elements, accumulated in float64, as a float.
 
-    ``x`` is copied chunk by chunk into a float64 ``scratch`` (a 1-D float64 array
-    of the same array module; its length is the chunk size), squared there and
-    summed, never into a full-size temporary. Pass one made once to allocate
+    A float64 ``x`` is read in place, chunk by chunk; any other dtype is copied
+    chunk by chunk into a float64 ``scratch`` (a 1-D float64 array of the same
+    array module; its length is the chunk size) and summed there, never into a
+    full-size temporary. Pass one made once to allocate
     nothing in a training loop; without it a chunk-sized one is made per call.
     Local only: see the module docstring for the sum over ranks.
     """
-    # Not xp.dot: OpenBLAS threads its dot product, and on a node whose cores all
-    # run MPI ranks those threads spin against each other (100x slower measured).
+    # A dot product of each float64 chunk with itself: one pass, no square
+    # written back (2x faster than ``s *= s; s.sum()`` measured here). It runs on
+    # the BLAS threads mpishard leaves each rank (one core share, see _threads.py):
+    # a dot threaded over cores that other ranks use spins against them, which
+    # measured 100x slower.
     xp = array_namespace(x)
     flat = x.reshape(-1)
     n = flat.shape[0]
+    if flat.dtype == np.float64:
+        # Already float64: no copy, the dot reads the vector in place.
+        chunk = CHUNK_ELEMENTS if xp is np else DEVICE_CHUNK_ELEMENTS
+        total = 0.0
+        for start in range(0, n, chunk):
+            piece = flat[start:start + chunk]
+            total = total + xp.dot(piece, piece)
+        return float(total)
     if scratch is None:
         limit = CHUNK_ELEMENTS if xp is np else DEVICE_CHUNK_ELEMENTS
         scratch = xp.empty(max(1, min(limit, n)), dtype=np.float64)
@@ -56,9 +68,8 @@ def sum_of_squares(x: Any, scratch: Any = None) -> float:
         piece = flat[start:start + chunk]
         s = scratch if piece.shape[0] == chunk else scratch[:piece.shape[0]]
         xp.copyto(s, piece)
-        s *= s
         # On a GPU ``total`` stays a device scalar: one synchronisation, at the end.
-        total = total + s.sum()
+        total = total + xp.dot(s, s)
     return float(total)
 
 
