@@ -33,7 +33,19 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-__all__ = ["Job", "mpi_env", "mpirun", "mpirun_command"]
+from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer
+
+__all__ = ["STRATEGIES", "Job", "mpi_env", "mpirun", "mpirun_command"]
+
+#: The data-parallel strategies with each of ZeRO-2's reduce methods pinned, by
+#: test id: ``STRATEGIES[name](optimizer, config, **options)``.
+STRATEGIES = {
+    "ddp": lambda opt, cfg, **kw: DDPOptimizer(opt, cfg, **kw),
+    "zero2-reduce_scatter": lambda opt, cfg, **kw: ZeRO2Optimizer(
+        opt, cfg, reduce_method="reduce_scatter", **kw),
+    "zero2-allreduce": lambda opt, cfg, **kw: ZeRO2Optimizer(
+        opt, cfg, reduce_method="allreduce", **kw),
+}
 
 REPO = Path(__file__).resolve().parents[1]
 MPIENV = REPO / "scripts" / "mpienv.sh"

@@ -18,12 +18,13 @@ import math
 
 import numpy as np
 import pytest
+from conftest import STRATEGIES
 from mpi4py import MPI
 
 from mpishard import NonFiniteError, ShardingConfiguration
 from mpishard.nn import MLP, FunctionModel
 from mpishard.optim import AdamW
-from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer
+from mpishard.strategies import DDPOptimizer
 
 pytestmark = [pytest.mark.mpi,
               # The poisoned target overflows on purpose (the loss, then the norm).
@@ -33,13 +34,6 @@ K = 3             # the 1-based step whose batch is poisoned
 STEPS = 6
 PER_RANK = 6
 MARK = 1234.5     # a first input column of MARK makes the FunctionModel's gradient NaN
-STRATEGIES = {
-    "ddp": lambda opt, cfg, **kw: DDPOptimizer(opt, cfg, **kw),
-    "zero2-reduce_scatter": lambda opt, cfg, **kw: ZeRO2Optimizer(
-        opt, cfg, reduce_method="reduce_scatter", **kw),
-    "zero2-allreduce": lambda opt, cfg, **kw: ZeRO2Optimizer(
-        opt, cfg, reduce_method="allreduce", **kw),
-}
 
 
 def bad_ranks(size):

@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import STRATEGIES
 from mpi4py import MPI
 
 from mpishard import ShardingConfiguration
@@ -25,7 +26,6 @@ from mpishard.strategies import (
     DDPOptimizer,
     HybridShardedModel,
     HybridShardedOptimizer,
-    ZeRO2Optimizer,
 )
 
 pytestmark = pytest.mark.mpi
@@ -38,13 +38,6 @@ SIZES = [5, 7, 7, 3]
 OPTIMIZERS = {
     "sgd": lambda: SGD(lr=0.05, momentum=0.9),
     "adamw": lambda: AdamW(lr=3e-3, weight_decay=0.05),
-}
-STRATEGIES = {
-    "ddp": lambda opt, cfg, **kw: DDPOptimizer(opt, cfg, **kw),
-    "zero2-reduce_scatter": lambda opt, cfg, **kw: ZeRO2Optimizer(
-        opt, cfg, reduce_method="reduce_scatter", **kw),
-    "zero2-allreduce": lambda opt, cfg, **kw: ZeRO2Optimizer(
-        opt, cfg, reduce_method="allreduce", **kw),
 }
 MODES = ["plain", "accumulation", "no_sync"]
 

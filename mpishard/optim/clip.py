@@ -73,6 +73,28 @@ def sum_of_squares(x: Any, scratch: Any = None) -> float:
     return float(total)
 
 
+def all_finite(x: Any) -> bool:
+    """Whether every element of ``x`` is finite (no NaN, no infinity). Local.
+
+    Cheaper than :func:`sum_of_squares` where no norm is needed (the check of a
+    step without clipping): a dot product of each chunk with itself in the
+    vector's own precision (BLAS; 0.22 ms for 1.9M float32 here, against 1.6 ms
+    for the float64 sum of squares). A NaN or infinity anywhere makes that dot
+    non-finite; a dot that overflowed on large finite values is told apart by
+    an exact test of that chunk, so the answer is exact either way.
+    """
+    xp = array_namespace(x)
+    flat = x.reshape(-1)
+    chunk = CHUNK_ELEMENTS if xp is np else DEVICE_CHUNK_ELEMENTS
+    for start in range(0, flat.shape[0], chunk):
+        piece = flat[start:start + chunk]
+        with np.errstate(over="ignore", invalid="ignore"):
+            part = xp.dot(piece, piece)
+        if not bool(xp.isfinite(part)) and not bool(xp.isfinite(piece).all()):
+            return False
+    return True
+
+
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
     """The factor to multiply gradients by: ``min(1, max_norm / (total_norm + 1e-6))``.
 
