@@ -285,3 +285,23 @@ def test_zero2_refuses_no_sync():
     x, y = make_data(n=8)
     with pytest.raises(MpiShardError, match="no_sync"), zero.no_sync():
         zero.backward(x, y)
+
+
+@pytest.mark.parametrize("second", STRATEGIES)
+def test_a_model_moves_between_strategies(second):
+    """One model trained by ZeRO-2 (which binds its gradients to bucket buffers),
+    then by DDP or a second ZeRO-2: the run equals one process doing the same."""
+    data = make_data()
+    make_model = functools.partial(MLP, SIZES, activation="tanh", dtype=np.float64, seed=7)
+    ref, ref_losses = serial_reference(make_model, lambda: SGD(lr=0.05), data, 16, epochs=2)
+    model = make_model()
+    config = ShardingConfiguration(MPI.COMM_WORLD)
+    first = ZeRO2Optimizer(SGD(lr=0.05), config, bucket_mb=1e-4)
+    r1 = first.optimize(model, data, epochs=1, batch_size=16)
+    assert model.grads is None            # ZeRO-2 holds the gradient storage now
+    then = STRATEGIES[second](SGD(lr=0.05), config, bucket_mb=1e-4)
+    then.step_count, then.data_position = first.step_count, dict(first.data_position)
+    r2 = then.optimize(model, data, epochs=2, batch_size=16)   # the second epoch
+    assert r1.steps == r2.steps == 6
+    assert_close(model.params, ref, 1e-10)
+    assert_close(np.array(r1.losses + r2.losses), ref_losses, 1e-10, "losses")

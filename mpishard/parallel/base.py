@@ -151,6 +151,8 @@ class DataParallelOptimizer:
         self.buckets = GradientBuckets(bucket_ranges(model.layout, bucket_elements),
                                        self._reduce, slots=self._slots)
         self.dp.Bcast(model.params, root=0)
+        if model.grads is None and isinstance(model, BucketedModel):
+            _own_gradient(model, self.xp)
         self._setup()
         self._setup_step()
         self._peak_bytes = max(self._peak_bytes, self._current_bytes())
@@ -486,6 +488,21 @@ class DataParallelOptimizer:
 
     def _memory(self) -> dict[str, int]:
         raise NotImplementedError
+
+
+def _own_gradient(model: Any, xp: Any) -> None:
+    """Give ``model`` one full gradient vector again: a strategy it was attached to
+    before (ZeRO-2) bound its gradients to that strategy's bucket buffers, and
+    ``grads`` was None. Made once, at attach."""
+    grads = xp.zeros(model.params.size, dtype=model.params.dtype)
+    layout = model.layout
+
+    def view(name: str) -> Any:
+        spec = layout[name]
+        return grads[spec.offset:spec.offset + spec.size].reshape(spec.shape)
+
+    model.bind_gradients(view)
+    model.grads = grads
 
 
 def _model_problem(model: Any) -> str | None:
