@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from .sharding import TensorShard
+    from .shards import TensorShard
 
 __all__ = [
     "BatchContext",

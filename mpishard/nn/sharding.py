@@ -21,7 +21,6 @@ name; the record carries it so that a reader needs nothing else.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from ..flat import ParamLayout, Range
 from ..protocols import BackwardHooks
 from .base import BatchContext, Layer
 from .losses import Loss
+from .shards import TensorShard, owned_ranges, split_range, tensor_shards
 
 __all__ = [
     "ShardedSequential",
@@ -42,103 +42,6 @@ __all__ = [
     "split_range",
     "tensor_shards",
 ]
-
-
-# -- tensor shards: pure metadata ---------------------------------------------------
-
-
-def split_range(n: int, parts: int, rank: int) -> Range:
-    """Rank ``rank``'s piece of ``[0, n)`` cut into ``parts`` contiguous pieces.
-
-    Pieces differ by at most one element, the longer ones first: 11 in 2 parts
-    is ``[0, 6)`` and ``[6, 11)``. When ``parts`` divides ``n`` this is Megatron's
-    ``[rank * n / parts, (rank + 1) * n / parts)``.
-
-    Raises:
-        ValueError: ``parts < 1`` or ``rank`` outside ``[0, parts)``.
-    """
-    if parts < 1 or not 0 <= rank < parts:
-        raise ValueError(f"expecting 0 <= rank < parts, got rank={rank}, parts={parts}")
-    base, extra = divmod(n, parts)
-    start = rank * base + min(rank, extra)
-    return Range(start, start + base + (rank < extra))
-
-
-@dataclass(frozen=True)
-class TensorShard:
-    """The part of one logical tensor that a rank holds.
-
-    Attributes:
-        logical_name: the tensor's name in the unpartitioned model.
-        logical_shape: its shape there.
-        index: one ``slice(start, stop)`` per axis: this rank's tensor is
-            ``logical[index]``.
-        replicated: every rank of the tensor-parallel group holds this same full
-            tensor (a norm must count it once; one rank writes it). Serial
-            models: always True.
-    """
-
-    logical_name: str
-    logical_shape: tuple[int, ...]
-    index: tuple[slice, ...]
-    replicated: bool
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape of the local tensor."""
-        return tuple(s.stop - s.start for s in self.index)
-
-    @classmethod
-    def full(cls, name: str, shape: Sequence[int]) -> TensorShard:
-        """The whole tensor, replicated."""
-        shape = tuple(int(n) for n in shape)
-        return cls(name, shape, tuple(slice(0, n) for n in shape), True)
-
-    @classmethod
-    def split(cls, name: str, shape: Sequence[int], axis: int, parts: int,
-              rank: int) -> TensorShard:
-        """Rank ``rank``'s piece of axis ``axis`` cut in ``parts`` (:func:`split_range`)."""
-        shape = tuple(int(n) for n in shape)
-        r = split_range(shape[axis], parts, rank)
-        index = tuple(slice(r.start, r.stop) if a == axis else slice(0, n)
-                      for a, n in enumerate(shape))
-        return cls(name, shape, index, parts == 1)
-
-    def renamed(self, name: str) -> TensorShard:
-        return dataclasses.replace(self, logical_name=name)
-
-
-def tensor_shards(model: Any) -> dict[str, TensorShard]:
-    """The shard record of every tensor of ``model``'s layout, by local name.
-
-    Uses ``model.tensor_shards()`` when the model has it; any other
-    :class:`~mpishard.protocols.Model` holds every tensor in full (serial).
-    """
-    method = getattr(model, "tensor_shards", None)
-    if method is not None:
-        return method()
-    return {s.name: TensorShard.full(s.name, s.shape) for s in model.layout}
-
-
-def owned_ranges(layout: ParamLayout, shards: dict[str, TensorShard],
-                 tp_rank: int) -> list[Range]:
-    """World ranges of the tensors this tensor-parallel rank *owns*, merged.
-
-    A rank owns its slices of split tensors, and the replicated tensors if it
-    is tensor-parallel rank 0. Summing squares over the owned ranges and then
-    over the tensor-parallel group counts every logical element exactly once
-    (gradient clipping); writing them writes every element of a checkpoint once.
-    """
-    ranges: list[Range] = []
-    for spec in layout:
-        if shards[spec.name].replicated and tp_rank != 0:
-            continue
-        r = spec.range
-        if ranges and ranges[-1].stop == r.start:
-            ranges[-1] = Range(ranges[-1].start, r.stop)
-        elif len(r):
-            ranges.append(r)
-    return ranges
 
 
 # -- a range of top-level layers: the model and pipeline-stage class -------------------
