@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .comm import from_comm
+from .comm import from_comm, hdf5_deadline
 
 __all__ = ["HDF5Dataset", "parse_data_spec"]
 
@@ -52,7 +52,10 @@ class HDF5Dataset:
         inputs: path of the inputs dataset in the file (``/group/x``).
         targets: path of the targets dataset, or None for the next-row rule
             (see the module docstring).
-        comm: the ranks that open the file together; ``MPI.COMM_WORLD`` by default.
+        comm: the ranks that open the file together: a group of a
+            :class:`~mpishard.ShardingConfiguration` (its timeout then covers
+            opening and closing) or an mpi4py communicator; ``MPI.COMM_WORLD``
+            by default.
         driver: ``"auto"`` (``mpio`` when h5py has MPI and ``comm`` has more
             than one rank), ``"mpio"`` or ``"serial"``.
 
@@ -84,7 +87,11 @@ class HDF5Dataset:
             raise ValueError(f"driver must be 'auto', 'mpio' or 'serial', got {driver!r}")
         self.driver = driver
         if driver == "mpio":
-            self._file = h5py.File(self.path, "r", driver="mpio", comm=comm.comm)
+            # HDF5's collective open cannot be timed by FlatComm: enter it once
+            # every rank has arrived, under a deadline (as checkpoints do). h5py
+            # gets the raw communicator, the one handoff that is allowed.
+            with hdf5_deadline(comm, "HDF5 File open (mpio)"):
+                self._file = h5py.File(self.path, "r", driver="mpio", comm=comm.comm)
         else:
             self._file = h5py.File(self.path, "r")
         problem = self._check(inputs, targets)
@@ -189,7 +196,11 @@ class HDF5Dataset:
     def close(self) -> None:
         """Close the file. Collective over ``comm`` with the ``mpio`` driver."""
         if self._file is not None:
-            self._file.close()
+            if self.driver == "mpio":
+                with hdf5_deadline(self.comm, "HDF5 File close (mpio)"):
+                    self._file.close()
+            else:
+                self._file.close()
             self._file = None
 
     def __enter__(self) -> HDF5Dataset:
