@@ -30,21 +30,23 @@ def agree_error(comm: FlatComm | None, error: BaseException | None) -> None:
     :class:`CheckpointError` otherwise, on every rank alike. ``None``: this
     process alone. Collective over ``comm``, under its timeout.
 
-    (:meth:`FlatComm.agree <mpishard.comm.FlatComm.agree>` raises one type and
-    prefixes the rank; the checkpoint's callers catch ``FileNotFoundError`` and
-    its messages already name the file and the rank where that matters.)
+    (The agreement is :meth:`FlatComm.first_finding
+    <mpishard.comm.FlatComm.first_finding>`, as under :meth:`FlatComm.agree
+    <mpishard.comm.FlatComm.agree>`, which raises one type and prefixes the rank;
+    the checkpoint's callers catch ``FileNotFoundError`` and its messages already
+    name the file and the rank where that matters.)
     """
     if comm is None or comm.size == 1:
         if error is not None:
             raise _portable(error) from error
         return
-    first = comm.allreduce(comm.rank if error is not None else comm.size, op="min")
-    if first == comm.size:
+    portable = _portable(error) if error is not None else None
+    found = comm.first_finding(None if portable is None else
+                               (type(portable).__name__, str(portable)))
+    if found is None:
         return
-    portable = _portable(error) if comm.rank == first else None
-    mine = None if portable is None else (type(portable).__name__, str(portable))
-    kind, text = comm.bcast(mine, root=first)
-    if portable is not None:
+    first, _, (kind, text) = found
+    if comm.rank == first:
         raise portable from error
     raise _PASSED[kind](text)
 

@@ -175,7 +175,8 @@ class GradientBuckets:
         for handle in self._handles:
             handle.wait()
         self._handles.clear()
-        self._owner = [None] * self.slots
+        for slot in range(self.slots):      # in place: wait() runs every step
+            self._owner[slot] = None
 
     # --- internals ------------------------------------------------------------
     def _launch(self, index: int, blocking: bool) -> None:

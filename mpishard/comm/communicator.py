@@ -367,12 +367,24 @@ class FlatComm:
             if problem is not None:
                 raise exc_type(problem)
             return
-        first = self.allreduce(self.rank if problem is not None else self.size, op="min")
-        if first == self.size:
+        found = self.first_finding(problem)
+        if found is None:
             return
-        text, world = self.bcast((problem, MPI.COMM_WORLD.Get_rank()), root=first)
+        first, world, text = found
         where = f"rank {first}" if world == first else f"rank {first} (world rank {world})"
         raise exc_type(f"{where}: {text}")
+
+    def first_finding(self, finding: Any) -> tuple[int, int, Any] | None:
+        """The lowest rank with a ``finding`` (not None): ``(rank in the group,
+        world rank, its finding)`` on every rank, or None where no rank has one.
+        The agreement under :meth:`agree`, for callers that raise in their own
+        way. Collective over the group: one integer Allreduce, and a broadcast
+        only when some rank found something."""
+        first = self.allreduce(self.rank if finding is not None else self.size, op="min")
+        if first == self.size:
+            return None
+        world, found = self.bcast((MPI.COMM_WORLD.Get_rank(), finding), root=first)
+        return first, world, found
 
     def barrier(self, before: str | None = None) -> None:
         """Wait for every rank of the group. Collective over the group.

@@ -169,14 +169,20 @@ class HybridShardedOptimizer:
     method are those of :class:`~mpishard.strategies.DDPOptimizer`.
     """
 
+    #: The class built for each ``data_parallel`` value. Set on the class that
+    #: dispatches (here, below its variants; the public facade sets its own);
+    #: a variant does not define it and is built as itself.
+    _variants: dict[str, type] = {}
+
     def __new__(cls, optimizer: Any, config: ShardingConfiguration | None = None, *,
                 data_parallel: str = "ddp", **kwargs: Any):
-        if cls is not HybridShardedOptimizer:
+        variants = cls.__dict__.get("_variants")
+        if variants is None:
             return super().__new__(cls)
-        impls = {"ddp": HybridDDPOptimizer, "zero2": HybridZeRO2Optimizer}
-        if data_parallel not in impls:
-            raise ValueError(f"data_parallel must be 'ddp' or 'zero2', got {data_parallel!r}")
-        return super().__new__(impls[data_parallel])
+        if data_parallel not in variants:
+            raise ValueError(f"data_parallel must be one of {', '.join(variants)}, "
+                             f"got {data_parallel!r}")
+        return super().__new__(variants[data_parallel])
 
 
 class _HybridMixin:
@@ -226,3 +232,6 @@ class HybridZeRO2Optimizer(_HybridMixin, ZeRO2Optimizer, HybridShardedOptimizer)
     """
 
     strategy = "hybrid-zero2"
+
+
+HybridShardedOptimizer._variants = {"ddp": HybridDDPOptimizer, "zero2": HybridZeRO2Optimizer}

@@ -8,10 +8,7 @@ config).optimize(model, (x, y), epochs=10, batch_size=256)``.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import parallel
-from ..config import ShardingConfiguration
 from ..parallel import DataParallelOptimizer, HybridShardedModel, choose_reduce_method
 from ..parallel.hybrid import HybridDDPOptimizer as _CoreHybridDDP
 from ..parallel.hybrid import HybridZeRO2Optimizer as _CoreHybridZeRO2
@@ -40,15 +37,6 @@ class ZeRO2Optimizer(Trainable, parallel.ZeRO2Optimizer):
 class HybridShardedOptimizer(Trainable, parallel.HybridShardedOptimizer):
     __doc__ = parallel.HybridShardedOptimizer.__doc__
 
-    def __new__(cls, optimizer: Any, config: ShardingConfiguration | None = None, *,
-                data_parallel: str = "ddp", **kwargs: Any):
-        if cls is not HybridShardedOptimizer:
-            return object.__new__(cls)
-        impls = {"ddp": HybridDDPOptimizer, "zero2": HybridZeRO2Optimizer}
-        if data_parallel not in impls:
-            raise ValueError(f"data_parallel must be 'ddp' or 'zero2', got {data_parallel!r}")
-        return object.__new__(impls[data_parallel])
-
 
 # Base order: the facade first (so isinstance(x, HybridShardedOptimizer) holds and
 # Trainable precedes the core), then the core strategy.
@@ -58,3 +46,8 @@ class HybridDDPOptimizer(HybridShardedOptimizer, _CoreHybridDDP):
 
 class HybridZeRO2Optimizer(HybridShardedOptimizer, _CoreHybridZeRO2):
     __doc__ = _CoreHybridZeRO2.__doc__
+
+
+# The public class builds the public variants (parallel.HybridShardedOptimizer's
+# __new__ dispatches on this table).
+HybridShardedOptimizer._variants = {"ddp": HybridDDPOptimizer, "zero2": HybridZeRO2Optimizer}

@@ -42,15 +42,16 @@ class StopRequest:
 
         ``also`` is a reason of this rank's own (the callback asked to stop).
         One Allreduce of one integer a step; when some rank wants to stop, one
-        allgather of the reasons (the lowest rank's wins). Collective over ``world``.
+        broadcast of the lowest such rank's reason
+        (:meth:`FlatComm.first_finding <mpishard.comm.FlatComm.first_finding>`).
+        Collective over ``world``.
         """
         mine = self.received or also
         if world.size == 1:
             return mine
         with world.during("the training loop's stop agreement"):
-            if not world.allreduce(mine is not None, op="lor"):
-                return None
-            return next(r for r in world.allgather(mine) if r is not None)
+            found = world.first_finding(mine)
+        return None if found is None else found[2]
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
