@@ -26,6 +26,7 @@ from .flat import ParamLayout, Range
 __all__ = [
     "BackwardHooks",
     "BucketedModel",
+    "CollectiveDataset",
     "Dataset",
     "DescribedModel",
     "Model",
@@ -159,8 +160,10 @@ class Dataset(Protocol):
     integer array) into the first ``len(indices)`` rows of the buffers; it is not
     collective (each rank reads its own rows). The training loop makes the buffers
     once and gathers into them every step. :class:`~mpishard.data.ArrayDataset`
-    (in-memory arrays) and :class:`~mpishard.hdf5data.HDF5Dataset` (an HDF5
-    file) meet it; an ``(x, y)`` pair of arrays is wrapped in an ``ArrayDataset``.
+    (in-memory arrays), :class:`~mpishard.data.StreamingDataset` (one that
+    grows) and :class:`~mpishard.hdf5data.HDF5Dataset` (an HDF5 file, or an
+    h5py dataset pair) meet it; an ``(x, y)`` pair of arrays is wrapped in an
+    ``ArrayDataset``.
     """
 
     def __len__(self) -> int: ...
@@ -168,3 +171,26 @@ class Dataset(Protocol):
     def buffers(self, rows: int, xp: Any, float_dtype: Any = None) -> tuple[Any, Any]: ...
 
     def gather(self, indices: Any, x_out: Any, y_out: Any) -> None: ...
+
+
+@runtime_checkable
+class CollectiveDataset(Protocol):
+    """Samples spread over the ranks, fetched for each global batch collectively.
+
+    ``len(data)`` is the number of samples of the whole set (the same on every
+    rank); ``buffers`` is :class:`Dataset`'s. ``gather_batch(batch, x_out, y_out)``
+    is given the indices of the whole global batch (the same on every rank of
+    ``comm``) and fills the first ``n`` rows of the buffers with this rank's part
+    of it, rows ``rank_rows(len(batch), comm.size, comm.rank)``
+    (:func:`~mpishard.data.rank_rows`); it is collective over ``comm``, which must
+    be the data-parallel group of the strategy that trains on it.
+    :class:`~mpishard.data.LocalDataset` (rows each rank holds) meets it.
+    """
+
+    comm: Any
+
+    def __len__(self) -> int: ...
+
+    def buffers(self, rows: int, xp: Any, float_dtype: Any = None) -> tuple[Any, Any]: ...
+
+    def gather_batch(self, batch: Any, x_out: Any, y_out: Any) -> None: ...

@@ -45,14 +45,15 @@ class Metrics:
             self._file = None
 
 
-def progress_bar(total: int, initial: int, label: str, out: TextIO) -> Any:
+def progress_bar(total: int | None, initial: int, label: str, out: TextIO) -> Any:
     """A tqdm bar of ``total`` steps (loss, samples/s and ETA as its postfix)."""
     from tqdm import tqdm  # optional dependency: only imported when a bar is asked for
 
     # A rank's pseudo-terminal from mpirun has no size, and tqdm draws
     # nothing on a screen of 0 rows: say 80 x 24 unless the size is known.
     size = shutil.get_terminal_size((80, 24))
-    return tqdm(total=total, initial=min(initial, total), unit="step", desc=label, file=out,
+    return tqdm(total=total, initial=initial if total is None else min(initial, total),
+                unit="step", desc=label, file=out,
                 ncols=min(size.columns, 100), nrows=max(size.lines, 2), leave=True,
                 bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
                            "[{elapsed}<{remaining}{postfix}]")

@@ -22,8 +22,9 @@ class TrainResult:
         stopped: why training ended before ``epochs`` epochs were complete:
             ``"SIGUSR1"``, ``"SIGTERM"`` (or the reason given to
             :meth:`~mpishard.train.StopRequest.request`), ``"callback"`` (the
-            callback returned True) or ``"max_steps"``; ``None`` when every epoch
-            ran. Truthy exactly when training stopped early.
+            callback returned True), ``"max_steps"``, or ``"exhausted"`` (a
+            :class:`~mpishard.data.BatchStream` ended: its normal end); ``None``
+            when every epoch ran.
         first_step, last_step: the strategy's step count when the call began and
             when it returned.
         val_loss: the validation loss at the end (nan without validation data).

@@ -1,4 +1,4 @@
-"""Splitting global batches across data-parallel ranks; a resumable sampler.
+"""Splitting global batches across data-parallel ranks; the resumable sampler.
 
 The sampler's order depends only on ``(seed, epoch)`` and the global batch size,
 never on the number of ranks: global batch ``b`` of an epoch is the same set of
@@ -7,6 +7,13 @@ rows ``[r * B/N, (r + 1) * B/N)`` of it. A serial run on the global batch and a
 distributed run therefore see the same data, and a job resized between steps
 (elastic training, a restart at another size) goes on without repeating or
 skipping a sample within the epoch: the position is counted in samples.
+
+**Growing data** (samples streamed in while training runs): the data may grow,
+never shrink, between ``optimize()`` calls; new samples are appended after the
+existing ones. Each epoch covers the samples present when it starts: an epoch
+in progress finishes over its ``num_samples`` in its own order, and the next
+one shuffles all of them. The position records the current epoch's
+``num_samples``, so a restore goes on exactly there.
 """
 
 from __future__ import annotations
@@ -16,8 +23,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ArrayDataset", "BatchSplit", "SamplerState", "ShardedSampler", "rank_rows",
-           "split_batch"]
+__all__ = ["BatchSplit", "DataPositionWarning", "SamplerState", "ShardedSampler",
+           "position_conflicts", "rank_rows", "split_batch"]
+
+
+class DataPositionWarning(UserWarning):
+    """An ``optimize()`` argument differs from the data position it continues;
+    the message says what is used."""
+
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,7 @@ class ShardedSampler:
         self.state = SamplerState(seed=seed)
         self._order = np.empty(num_samples, dtype=np.int64)
         self._order_epoch = -1
+        self._available = num_samples   # samples in the data; the next epoch covers them
 
     @property
     def batches_per_epoch(self) -> int:
@@ -143,6 +157,7 @@ class ShardedSampler:
         if self.remaining_in_epoch() == 0:
             self.state.epoch += 1
             self.state.samples_consumed = 0
+            self._resize()   # samples that arrived during the epoch join from here
 
     def load_state(self, state: SamplerState | dict[str, int]) -> None:
         if isinstance(state, dict):
@@ -162,16 +177,52 @@ class ShardedSampler:
 
     @classmethod
     def from_position(cls, position: dict[str, int], batch_size: int,
-                      drop_last: bool = True) -> ShardedSampler:
+                      drop_last: bool = True, *, seed: int = 0, shuffle: bool = True,
+                      num_samples: int | None = None) -> ShardedSampler:
         """A sampler at ``position`` (a strategy's ``data_position``), with global
         batch ``batch_size``. The position is counted in samples, so a new batch
         size (an elastic resize under ``scale-lr``) neither repeats nor skips a
-        sample of the epoch."""
-        sampler = cls(int(position["num_samples"]), batch_size, seed=int(position["seed"]),
-                      shuffle=bool(position["shuffle"]), drop_last=drop_last)
-        sampler.load_state(position)
+        sample of the epoch. ``seed``, ``shuffle`` and ``num_samples`` (the data's
+        size now) stand in for keys the position lacks (an older or hand-made
+        one); a larger ``num_samples`` is growth (:meth:`grow`).
+
+        Raises:
+            ValueError: ``num_samples`` is smaller than the position's epoch covers.
+        """
+        have = int(position.get("num_samples", num_samples if num_samples is not None else 0))
+        sampler = cls(have, batch_size, seed=int(position.get("seed", seed)),
+                      shuffle=bool(position.get("shuffle", shuffle)), drop_last=drop_last)
+        sampler.load_state({"epoch": int(position["epoch"]),
+                            "samples_consumed": int(position["samples_consumed"]),
+                            "seed": sampler.state.seed})
+        if num_samples is not None:
+            sampler.grow(num_samples)
         sampler.roll_over()
         return sampler
+
+    def grow(self, num_samples: int) -> None:
+        """The data now holds ``num_samples`` (appended after the old ones). The
+        epoch in progress keeps its own samples and order; the new size takes
+        effect when the next epoch starts (at once if this one has not started).
+
+        Raises:
+            ValueError: fewer samples than the current epoch covers.
+        """
+        if num_samples < self.num_samples:
+            raise ValueError(
+                f"the data has {num_samples} samples but the data position (restored "
+                f"from a checkpoint, or left by an earlier optimize()) counts "
+                f"{self.num_samples} in its epoch: data may only grow; call new_pass() "
+                f"to start over on other data")
+        self._available = num_samples
+        if self.state.samples_consumed == 0:
+            self._resize()
+
+    def _resize(self) -> None:
+        if self._available != self.num_samples:
+            self.num_samples = self._available
+            self._order = np.empty(self.num_samples, dtype=np.int64)
+            self._order_epoch = -1
 
 
 def rank_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
@@ -181,38 +232,28 @@ def rank_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
     return rank * rows // ranks, (rank + 1) * rows // ranks
 
 
-class ArrayDataset:
-    """Inputs and targets held as arrays with samples along the first axis.
-
-    ``gather(indices, x_out, y_out)`` copies the selected rows into preallocated
-    buffers (``numpy.take`` with ``out=``), so the step loop allocates nothing.
-    """
-
-    def __init__(self, x: Any, y: Any) -> None:
-        if len(x) != len(y):
-            raise ValueError(f"inputs have {len(x)} samples but targets have {len(y)}")
-        self.x = x
-        self.y = y
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def buffers(self, rows: int, xp: Any = np, float_dtype: Any = None) -> tuple[Any, Any]:
-        """Buffers for ``rows`` samples, on the device of ``xp``; floating-point
-        data is held in ``float_dtype`` (the model's) when given, so the cast
-        happens once, in the copy into the buffer."""
-        def dtype(a: Any) -> Any:
-            floating = np.issubdtype(a.dtype, np.floating)
-            return float_dtype if floating and float_dtype is not None else a.dtype
-
-        return (xp.empty((rows,) + self.x.shape[1:], dtype=dtype(self.x)),
-                xp.empty((rows,) + self.y.shape[1:], dtype=dtype(self.y)))
-
-    def gather(self, indices: np.ndarray, x_out: Any, y_out: Any) -> None:
-        if isinstance(x_out, np.ndarray):
-            # np.take casts into out; no temporary, nothing allocated per step.
-            np.take(self.x, indices, axis=0, out=x_out, mode="clip")
-            np.take(self.y, indices, axis=0, out=y_out, mode="clip")
-        else:  # device buffers: gather on the host, then one copy each
-            x_out.set(np.take(self.x, indices, axis=0).astype(x_out.dtype, copy=False))
-            y_out.set(np.take(self.y, indices, axis=0).astype(y_out.dtype, copy=False))
+def position_conflicts(position: dict[str, Any], *, seed: int | None,
+                       shuffle: bool | None, batch_size: int | None) -> list[str]:
+    """What an ``optimize()`` call asks for that differs from the data position it
+    continues (restored from a checkpoint, or left by an earlier call), each with
+    what is used instead. Arguments passed as None (not given) and keys the
+    position lacks (an older checkpoint: unknown) are not compared."""
+    found = []
+    if seed is not None and "seed" in position and int(position["seed"]) != int(seed):
+        found.append(f"seed={seed} differs from the data position's seed "
+                     f"{int(position['seed'])}: the pass goes on with seed "
+                     f"{int(position['seed'])} (call new_pass() to start one with seed={seed})")
+    if (shuffle is not None and "shuffle" in position
+            and bool(position["shuffle"]) != bool(shuffle)):
+        found.append(f"shuffle={bool(shuffle)} differs from the data position's "
+                     f"shuffle={bool(position['shuffle'])}: the pass goes on with "
+                     f"shuffle={bool(position['shuffle'])} (call new_pass() to change it)")
+    if (batch_size is not None and "batch_size" in position
+            and int(position["batch_size"]) != int(batch_size)):
+        found.append(f"batch_size={batch_size} differs from the data position's global "
+                     f"batch {int(position['batch_size'])}: training goes on with "
+                     f"batch_size={batch_size} from sample {int(position['samples_consumed'])} "
+                     f"of epoch {int(position['epoch'])} (the position is counted in "
+                     f"samples, so none is repeated or skipped), but the steps differ from "
+                     f"those of a run that kept {int(position['batch_size'])}")
+    return found
