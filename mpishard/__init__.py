@@ -13,6 +13,7 @@ from ._version import __version__  # noqa: E402
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWarning",
     "CommunicationError",
     "MpiShardError",
     "NonFiniteError",
@@ -27,7 +28,7 @@ __all__ = [
 
 _WHERE = {
     "CheckpointError": "errors", "CommunicationError": "errors", "MpiShardError": "errors",
-    "NonFiniteError": "errors",
+    "NonFiniteError": "errors", "CheckpointWarning": "errors",
     "TopologyError": "errors", "ParamLayout": "flat", "Range": "flat",
     "ProcessGroups": "groups", "ShardingConfiguration": "config", "Topology": "topology",
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWarning",
     "CommunicationError",
     "MpiShardError",
     "NonFiniteError",
@@ -21,6 +22,11 @@ class TopologyError(MpiShardError, ValueError):
 
 class CheckpointError(MpiShardError):
     """A checkpoint that is missing, truncated, corrupt, foreign or incompatible."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint loaded into a strategy whose settings (learning-rate schedule,
+    clipping, accumulation, optimizer hyperparameters) differ from the file's."""
 
 
 class CommunicationError(MpiShardError, RuntimeError):

@@ -100,9 +100,11 @@ class CheckpointManager:
 
     def save(self, model: Any, optimizer: Any = None, *, step: int | None = None,
              comm: Any = None) -> str:
-        """Save at ``step`` (the strategy's ``step_count`` by default), then delete
-        all but the last ``keep`` checkpoints and any interrupted temporaries.
-        Returns the path written."""
+        """Save ``model`` and ``optimizer`` (a strategy, or None for the
+        parameters only) as ``<prefix>-<step>.h5``, at ``step`` (the strategy's
+        ``step_count`` by default), then delete all but the last ``keep``
+        checkpoints and any interrupted temporaries. Collective as
+        :func:`~mpishard.checkpoint.save_checkpoint`. Returns the path written."""
         comm = Placement.of(model, as_strategy(optimizer), comm).world
         if step is None:
             step = optimizer.step_count if optimizer is not None else 0
@@ -122,16 +124,18 @@ class CheckpointManager:
             comm.barrier()   # nobody scans the folder while rank 0 is pruning it
         return path
 
-    def load_latest(self, model: Any, optimizer: Any = None, *,
-                    comm: Any = None) -> CheckpointInfo | None:
-        """Load the latest checkpoint, if there is one (rank 0 scans, all agree).
-        Returns its info, or None when the folder holds none."""
+    def load_latest(self, model: Any, optimizer: Any = None, *, comm: Any = None,
+                    strict_architecture: bool = True) -> CheckpointInfo | None:
+        """Load the latest checkpoint, if there is one (rank 0 scans, all agree),
+        as :func:`~mpishard.checkpoint.load_checkpoint` does. Returns its info, or
+        None when the folder holds none."""
         comm = Placement.of(model, as_strategy(optimizer), comm).world
         with comm.during(f"CheckpointManager.load_latest from {self.folder}"):
             path = comm.bcast(self.latest() if comm.rank == 0 else None, root=0)
             if path is None:
                 return None
-            return load_checkpoint(path, model, optimizer, comm=comm)
+            return load_checkpoint(path, model, optimizer, comm=comm,
+                                   strict_architecture=strict_architecture)
 
     def _prune(self) -> None:
         if self.keep is None:

@@ -5,12 +5,14 @@ One HDF5 file, sealed in its user block (:mod:`~mpishard.checkpoint.container`):
     /                       format="mpishard-checkpoint", format_version=1, kind,
                             library_version, step, epoch, world_size, dp, tp, pp,
                             strategy, dtype, created, checksum (algorithm), schedule (JSON),
-                            lr (the learning rate at ``step``; training checkpoints)
+                            lr (the learning rate at ``step``; training checkpoints),
+                            settings (JSON: max_grad_norm, accumulation_steps; since 0.3)
     /params                 order (JSON: tensor names in flat-vector order)
     /params/<name>          each parameter at its logical shape; attribute checksum
     /optimizer              name, hyperparameters (JSON), state_names (JSON)
     /optimizer/<state>/<name>   e.g. exp_avg, at the parameter's shape; checksum
-    /data                   epoch, samples_consumed, seed, batch_size, num_samples, shuffle
+    /data                   epoch, samples_consumed, seed, batch_size, num_samples, shuffle;
+                            batches (a stream's batch count; only for a stream's position)
     /model                  class, architecture (JSON), metadata (JSON)   [optional]
 
 ``kind`` is ``"training"`` (written by :func:`save_checkpoint`) or ``"model"``
@@ -92,6 +94,10 @@ class CheckpointInfo:
     architecture: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     lr: float | None = None             # the learning rate at ``step``, schedule applied
+    settings: dict[str, Any] | None = None   # max_grad_norm, accumulation_steps (0.3 on)
+    #: What :func:`~mpishard.checkpoint.load_checkpoint` found different from the
+    #: file (the strategy's settings) or took from it (the schedule); one line each.
+    notes: list[str] = field(default_factory=list)
 
     def params(self) -> list[TensorRecord]:
         """The parameter records in flat-vector order."""
@@ -246,6 +252,8 @@ def read_info(f: Any, path: str) -> CheckpointInfo:
         if not isinstance(lr, (float, np.floating)):
             raise CheckpointError(f"{path}: attribute 'lr' of /: expecting a number, got {lr!r}")
         info.lr = float(lr)
+    if "settings" in f.attrs:
+        info.settings = _json(f, "settings", "/", path, (dict,))
     for name in order:
         rec = _record(f, PARAMS, name, path)
         if np.dtype(rec.dtype).name != dtype:
@@ -280,6 +288,8 @@ def read_info(f: Any, path: str) -> CheckpointInfo:
         info.data = {k: _int(g, k, f"/{DATA}", path) for k in
                      ("epoch", "samples_consumed", "seed", "batch_size", "num_samples")}
         info.data["shuffle"] = bool(_int(g, "shuffle", f"/{DATA}", path))
+        if "batches" in g.attrs:   # a BatchStream's position
+            info.data["batches"] = _int(g, "batches", f"/{DATA}", path)
     if MODEL in f:
         g = f[MODEL]
         info.architecture = _json(g, "architecture", f"/{MODEL}", path, (dict, type(None)))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,13 +42,20 @@ import numpy as np
 from .._version import __version__
 from ..backend import array_namespace, is_device_array, to_numpy
 from ..comm import FlatComm, from_comm
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointWarning
 from ..flat import ParamLayout, Range, shard_ranges
 from ..nn.sharding import tensor_shards
+from ..optim.schedules import schedule_from_dict
 from ..protocols import DescribedModel
 from .blocks import block_shape, block_size, flat_blocks
 from .checksum import ALGORITHM
 from .collective import agree_error
+from .compare import (
+    architecture_problem,
+    schedule_text,
+    setting_differences,
+    strategy_settings,
+)
 from .format import DATA, FORMAT, FORMAT_VERSION, MODEL, OPTIMIZER, PARAMS, CheckpointInfo
 from .read import ReadRequest, open_checkpoint, read_blocks
 from .write import LogicalTensor, Piece, write_checkpoint_file
@@ -198,6 +206,9 @@ def _json(value: Any) -> str:
 
 #: The keys of a strategy's ``data_position`` (all ints), stored as ``/data``.
 DATA_POSITION_KEYS = ("epoch", "samples_consumed", "seed", "batch_size", "num_samples", "shuffle")
+#: Keys stored when the position has them: ``batches``, a stream's batch count
+#: (:class:`~mpishard.data.BatchStream`).
+OPTIONAL_POSITION_KEYS = ("batches",)
 
 
 def _data_record(strategy: Any) -> dict[str, int] | None:
@@ -214,13 +225,16 @@ def _data_record(strategy: Any) -> dict[str, int] | None:
     if missing:
         raise ValueError(f"strategy.data_position lacks {missing}: expecting the keys "
                          f"{list(DATA_POSITION_KEYS)}, got {sorted(position)}")
-    return {k: int(position[k]) for k in DATA_POSITION_KEYS}
+    return {k: int(position[k]) for k in DATA_POSITION_KEYS + OPTIONAL_POSITION_KEYS
+            if k in position}
 
 
 def root_attrs(kind: str, step: int, epoch: int, world: int, dp: int, tp: int, pp: int,
-               strategy: str, dtype: Any, schedule: Any = None) -> dict[str, Any]:
-    """The ``/`` attributes of format version 1."""
-    return {
+               strategy: str, dtype: Any, schedule: Any = None,
+               settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``/`` attributes of format version 1 (``settings`` only when given)."""
+    extra = {} if settings is None else {"settings": _json(settings)}
+    return {**extra,
         "format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind,
         "library_version": __version__, "step": int(step), "epoch": int(epoch),
         "world_size": int(world), "dp": int(dp), "tp": int(tp), "pp": int(pp),
@@ -317,7 +331,8 @@ def _save(path: str | os.PathLike, model: Any, strategy: Any, place: Placement, 
                                 record["epoch"] if record else 0,
                                 world.size, topo.dp, topo.tp, topo.pp,
                                 strategy.strategy, dtype,
-                                schedule.to_dict() if hasattr(schedule, "to_dict") else None)
+                                schedule.to_dict() if hasattr(schedule, "to_dict") else None,
+                                strategy_settings(strategy))
         # Where the schedule is: the step, and the learning rate it gave there.
         attrs["/"]["lr"] = float(strategy.current_lr())
         state_range, state = strategy.optimizer_state_shard()
@@ -349,17 +364,21 @@ def local_problem(info: CheckpointInfo, layout: ParamLayout, place: Placement,
     if np.dtype(dtype).name != info.dtype:
         return (f"{info.path}: the file holds {info.dtype} parameters, the model "
                 f"{np.dtype(dtype).name}")
-    for k, spec in enumerate(layout):
+    # Tensors are named by their model-wide (logical) name and shape, and placed by
+    # their position in the file: a rank's index inside its pipeline stage or its
+    # tensor-parallel slice would mean nothing to the reader.
+    for spec in layout:
         shard = place.shards[spec.name]
         name, shape = shard.logical_name, tuple(shard.logical_shape)
         rec = info.tensors.get(f"{PARAMS}/{name}")
         if rec is None:
-            return (f"{info.path}: a different model: the model's tensor {k}, {name} {shape}, "
-                    f"is not in the file ({len(info.order)} tensors, {info.parameter_count} "
-                    f"parameters)")
+            return (f"{info.path}: a different model: the model's tensor {name} {shape} is not "
+                    f"in the file ({len(info.order)} tensors, {info.parameter_count} "
+                    f"parameters; its first: {info.order[:3]})")
         if tuple(rec.shape) != shape:
-            return (f"{info.path}: a different model: tensor {k} is {name} {tuple(rec.shape)} "
-                    f"in the file, {name} {shape} in the model")
+            return (f"{info.path}: a different model: tensor {name} (number "
+                    f"{info.order.index(name)} of the {len(info.order)} in the file) is "
+                    f"{tuple(rec.shape)} in the file, {shape} in the model")
     return None
 
 
@@ -410,35 +429,49 @@ def _allgather_into(comm: FlatComm | None, stage: np.ndarray, dest: Any,
 
 
 def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
-                    comm: Any = None) -> CheckpointInfo:
+                    comm: Any = None, strict_architecture: bool = True) -> CheckpointInfo:
     """Load a checkpoint written at any layout into ``model`` (and ``optimizer``).
 
     With a strategy: attaches ``model`` if it is not attached yet, then sets the
     parameters, the optimizer state (in place), ``step_count`` and
     ``data_position`` (the dict of the file's ``/data``, or None when it has
     none), from which the training loop's sampler goes on;
-    collective over the whole job. With ``optimizer=None`` only the parameters,
-    collective over ``comm`` (``MPI.COMM_WORLD`` by default). Everything is read
-    and verified before anything is changed: on an error the model and optimizer
-    are as they were.
+    collective over the whole job (``strategy.config.world``). With
+    ``optimizer=None`` only the parameters, collective over ``comm``
+    (``MPI.COMM_WORLD`` by default). Everything is read and verified before
+    anything is changed: on an error the model and optimizer are as they were.
+
+    The model's architecture record (``model.architecture()``: activation,
+    widths, heads, ...; not its seed or dtype) is compared with the file's, when
+    both have one: another architecture is an error that lists the differences,
+    unless ``strict_architecture=False``.
+
+    The strategy's settings are the caller's: its optimizer hyperparameters,
+    clipping (``max_grad_norm``) and accumulation are kept, and where they
+    differ from the file's a :class:`~mpishard.errors.CheckpointWarning` says
+    so (on rank 0). The learning-rate schedule likewise, except that a strategy
+    made without one (``schedule=None``) takes the file's
+    (``schedule_from_dict(info.schedule)``). What was found different or taken
+    is listed in ``info.notes``, the same on every rank.
 
     Returns the file's :class:`~mpishard.checkpoint.format.CheckpointInfo`.
 
     Raises:
         FileNotFoundError: no file at ``path`` (every rank).
         CheckpointError: a truncated, damaged or foreign file, an unknown format
-            version, another model (tensor names, shapes or dtype), another
-            optimizer class or state; on every rank, naming the file.
+            version, another model (tensor names, shapes, dtype or architecture),
+            another optimizer class or state; on every rank, naming the file.
     """
     strategy = as_strategy(optimizer)
     place = Placement.of(model, strategy, comm)
     with place.world.during(f"load_checkpoint({os.fspath(path)})"):
         if strategy is not None and strategy.model is not model:
             strategy.attach(model)
-        return _load(path, model, strategy, place)
+        return _load(path, model, strategy, place, strict_architecture)
 
 
-def _load(path: str | os.PathLike, model: Any, strategy: Any, place: Placement) -> CheckpointInfo:
+def _load(path: str | os.PathLike, model: Any, strategy: Any, place: Placement,
+          strict_architecture: bool = True) -> CheckpointInfo:
     world = place.world
     # The first call of a load is the agreement on the header (rank 0 reads it),
     # under the timeout; loading uses no HDF5 collective (each rank reads alone).
@@ -446,8 +479,8 @@ def _load(path: str | os.PathLike, model: Any, strategy: Any, place: Placement) 
     layout: ParamLayout = model.layout
     dtype = np.dtype(model.params.dtype)
     problem = local_problem(info, layout, place, dtype)
-    if problem is None and strategy is not None:
-        problem = _state_problem(info, strategy)
+    # Agreed on first: a pipeline stage sees only its own tensors' shapes, so a
+    # shape mismatch on one stage must win over the architecture on another.
     agree_error(world, CheckpointError(problem) if problem else None)
     names = {s.logical_name for s in place.shards.values()}
     if world is not None and world.size > 1:
@@ -455,6 +488,10 @@ def _load(path: str | os.PathLike, model: Any, strategy: Any, place: Placement) 
     problem = global_problem(info, names)   # the same on every rank
     if problem:
         raise CheckpointError(problem)
+    problem = architecture_problem(info, model, strict_architecture)
+    if problem is None and strategy is not None:
+        problem = _state_problem(info, strategy)
+    agree_error(world, CheckpointError(problem) if problem else None)
 
     n = layout.size
     shares = shard_ranges(n, place.dp_size)
@@ -497,5 +534,23 @@ def _load(path: str | os.PathLike, model: Any, strategy: Any, place: Placement) 
         strategy.step_count = info.step
         # The training loop restores its sampler from this on entry (ints, as kept).
         strategy.data_position = (None if info.data is None else
-                                  {k: int(info.data[k]) for k in DATA_POSITION_KEYS})
+                                  {k: int(info.data[k]) for k in
+                                   DATA_POSITION_KEYS + OPTIONAL_POSITION_KEYS
+                                   if k in info.data})
+        _settings(info, strategy, world)
     return info
+
+
+def _settings(info: CheckpointInfo, strategy: Any, world: FlatComm | None) -> None:
+    """Compare the strategy's settings with the file's, take the file's schedule
+    where the strategy has none, and say what was found (``info.notes``; a
+    warning on rank 0)."""
+    info.notes = setting_differences(info, strategy)
+    if info.notes:
+        text = "; ".join(info.notes)
+        if world is None or world.rank == 0:
+            warnings.warn(f"{info.path}: the strategy's settings differ from the checkpoint's, "
+                          f"and are kept: {text}", CheckpointWarning, stacklevel=4)
+    if strategy.schedule is None and info.schedule is not None:
+        strategy.schedule = schedule_from_dict(info.schedule)
+        info.notes.append(f"schedule: taken from the file, {schedule_text(info.schedule)}")

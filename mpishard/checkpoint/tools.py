@@ -90,7 +90,7 @@ def inspect_checkpoint(path: str | os.PathLike, verify: bool = True) -> dict[str
         "library_version": info.library_version, "created": info.created,
         "step": info.step, "epoch": info.epoch, "layout": info.layout, "dtype": info.dtype,
         "parameters": info.parameter_count, "bytes": os.path.getsize(info.path),
-        "schedule": info.schedule, "lr": info.lr, "optimizer": info.optimizer,
-        "state_names": info.state_names,
+        "schedule": info.schedule, "lr": info.lr, "settings": info.settings,
+        "optimizer": info.optimizer, "state_names": info.state_names,
         "data": info.data, "architecture": info.architecture, "tensors": rows,
     }

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import traceback
 
+from mpi4py import MPI
+
 __all__ = ["install_abort_hook"]
 
 _installed: list = []
@@ -14,9 +16,10 @@ def install_abort_hook(comm) -> None:
     """Make an uncaught exception print its traceback and abort the job.
 
     ``comm`` is the :class:`~mpishard.comm.FlatComm` the library trains on; the
-    message names this rank's world rank, host and rank in ``comm``.
-    ``MPI_Abort`` ends every process of the job (under Open MPI all of
-    ``MPI.COMM_WORLD``, a simulation sharing the job included).
+    message names this rank's world rank, host and rank in ``comm``, and says
+    what ends: ``MPI_Abort`` ends every process of the job (under Open MPI all
+    of ``MPI.COMM_WORLD``, a simulation sharing the job included), not only
+    ``comm``.
 
     Without it, one rank's exception leaves the others waiting in the next
     collective until the job's time limit. The hook chains to the previous
@@ -28,8 +31,14 @@ def install_abort_hook(comm) -> None:
 
     def hook(exc_type, exc, tb):
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-        if comm.size > 1:
-            comm.abort("uncaught exception", code=1, detail=text)
+        world = MPI.COMM_WORLD.Get_size()
+        if comm.size > 1 or world > 1:
+            scope = (f"all {world} processes of MPI.COMM_WORLD" if world == comm.size else
+                     f"all {world} processes of MPI.COMM_WORLD, not only the {comm.size} "
+                     f"that train")
+            comm.abort(f"uncaught {exc_type.__name__}: {exc}; MPI_Abort ends {scope} "
+                       f"(ShardingConfiguration(abort_on_exception=False) leaves exceptions "
+                       f"to your code)", code=1, detail=text)
         else:
             previous(exc_type, exc, tb)
 

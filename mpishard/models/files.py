@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import array_namespace, is_device_array, to_numpy
+from ..checkpoint.compare import architecture_problem
 from ..checkpoint.container import verify_image
 from ..checkpoint.format import MODEL, PARAMS, CheckpointInfo, read_info
 from ..checkpoint.read import open_checkpoint, read_blocks
@@ -91,10 +92,12 @@ def save_model(model: Any, path: str | os.PathLike) -> str:
                                  order_groups=(PARAMS,))
 
 
-def _load_into(model: Any, info: CheckpointInfo, opener: Callable[[], Any] | None) -> Any:
+def _load_into(model: Any, info: CheckpointInfo, opener: Callable[[], Any] | None,
+               strict_architecture: bool = True) -> Any:
     place = Placement.single(model)
     problem = (local_problem(info, model.layout, place, model.params.dtype)
-               or global_problem(info, {s.logical_name for s in place.shards.values()}))
+               or global_problem(info, {s.logical_name for s in place.shards.values()})
+               or architecture_problem(info, model, strict_architecture))
     if problem:
         raise CheckpointError(problem)
     n = model.layout.size
@@ -132,30 +135,36 @@ def _open_bytes(data: bytes | bytearray | memoryview) -> tuple[CheckpointInfo, C
         return read_info(f, _BYTES), opener
 
 
-def deserialize(model: Any, data: bytes) -> Any:
+def deserialize(model: Any, data: bytes, *, strict_architecture: bool = True) -> Any:
     """Load the parameters (and history) of :func:`serialize` bytes into ``model``;
-    the model.
+    the model. ``strict_architecture`` as in :func:`load_model_into`.
 
     Raises:
         TypeError: ``data`` is not bytes.
-        CheckpointError: damaged bytes, or another model (names, shapes, dtype).
+        CheckpointError: damaged bytes, or another model (names, shapes, dtype,
+            architecture).
     """
     info, opener = _open_bytes(data)
-    return _load_into(model, info, opener)
+    return _load_into(model, info, opener, strict_architecture)
 
 
-def load_model_into(model: Any, path: str | os.PathLike) -> Any:
+def load_model_into(model: Any, path: str | os.PathLike, *,
+                    strict_architecture: bool = True) -> Any:
     """Load the parameters (and history) of the file ``path`` into ``model``; the model.
 
     Reads model files and training checkpoints alike, into any
-    :class:`~mpishard.protocols.Model` with the file's tensors.
+    :class:`~mpishard.protocols.Model` with the file's tensors. When the file and
+    the model both record an architecture, they must agree (seed and dtype
+    aside): another one is an error listing the differences, unless
+    ``strict_architecture=False``.
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        CheckpointError: not a valid checkpoint, or another model.
+        CheckpointError: not a valid checkpoint, or another model (names, shapes,
+            dtype, architecture).
     """
     info = open_checkpoint(os.path.abspath(os.fspath(path)), None)
-    return _load_into(model, info, None)
+    return _load_into(model, info, None, strict_architecture)
 
 
 def _build(info: CheckpointInfo, f: Callable | None, predict_fn: Callable | None, xp: Any) -> Any:

@@ -1,0 +1,25 @@
+"""docs/api.md is the reference generated from the current docstrings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import REPO, mpi_env
+
+
+def test_api_reference_is_current():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "api_reference.py"), "--check"],
+                          env=mpi_env(), capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+
+
+def test_api_reference_documents_what_the_readme_names():
+    text = (REPO / "docs" / "api.md").read_text()
+    for name in ("mpishard.checkpoint.load_checkpoint(", "strict_architecture",
+                 "mpishard.checkpoint.CheckpointInfo(", "mpishard.nn.FunctionModel(",
+                 "mpishard.strategies.DDPOptimizer(", "mpishard.ShardingConfiguration(",
+                 "abort_on_exception", "mpishard.data.BatchStream(",
+                 "mpishard.data.LocalDataset(", "mpishard.comm.NodeMap(",
+                 "mpishard.comm.hierarchical.choose(", "allow_tensor_across_nodes"):
+        assert name in text, name
