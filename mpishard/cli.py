@@ -1,4 +1,5 @@
-"""The ``mpishard`` command: ``info``, ``train``, ``plot``, ``ckpt inspect`` and ``ckpt verify``."""
+"""The ``mpishard`` command: ``info``, ``train``, ``plot``, ``plan``, ``ckpt inspect`` and
+``ckpt verify``."""
 
 from __future__ import annotations
 
@@ -55,14 +56,18 @@ def environment_info() -> dict[str, object]:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .comm import world_rank  # initialises MPI: see environment_info
+    from .comm import from_comm, node_map, world_rank  # initialises MPI: see environment_info
 
     info = environment_info()
+    # The node map: collective over the job (every rank runs `mpishard info`).
+    world = from_comm(None, "world")
+    nodes = node_map(world)
     if world_rank() != 0:
         return 0
     if args.json:
-        print(json.dumps(info))
+        print(json.dumps({**info, "node_map": nodes.as_dict()}))
         return 0
+    info["nodes"] = nodes.describe()
     width = max(len(k) for k in info)
     for key, value in info.items():
         print(f"{key:<{width}}  {value}")
@@ -80,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     _add_ckpt_parser(sub)
     add_plot_parser(sub)
+    from .commands.plan import add_plan_parser
+
+    add_plan_parser(sub)
     from .launch.command import add_run_parser
 
     add_run_parser(sub)
