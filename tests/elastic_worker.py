@@ -5,10 +5,13 @@ steps. Rank 0 appends one JSON line per launch to --events: the size, the step
 it resumed from and the step it stopped at. Faults are injected on the first
 launch only (MPISHARD_ELASTIC_RESTARTS unset or 0):
 
-  --kill-at S        rank --kill-rank SIGKILLs itself after step S
+  --kill-at S        rank --kill-rank (a comma list: several at once) SIGKILLs
+                     itself after step S
   --kill-in-save S   rank --kill-rank SIGKILLs itself as the checkpoint of step S begins
   --stop-at S        every rank asks to stop after step S (a planned resize)
   --slow-after-restart T   sleep T seconds per step on relaunches (test timing)
+  --step-seconds T   sleep T seconds in every step (a step longer than mpirun's
+                     SIGTERM-to-SIGKILL interval)
 """
 
 from __future__ import annotations
@@ -45,10 +48,12 @@ def main() -> None:
     p.add_argument("--max-workers", type=int, default=8)
     p.add_argument("--kill-at", type=int)
     p.add_argument("--kill-in-save", type=int)
-    p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--kill-rank", default="1")
     p.add_argument("--stop-at", type=int)
     p.add_argument("--slow-after-restart", type=float, default=0.0)
+    p.add_argument("--step-seconds", type=float, default=0.0)
     args = p.parse_args()
+    kill_ranks = {int(r) for r in args.kill_rank.split(",")}
 
     comm = MPI.COMM_WORLD
     first_launch = os.environ.get("MPISHARD_ELASTIC_RESTARTS", "0") == "0"
@@ -68,7 +73,7 @@ def main() -> None:
         save = opt.manager.save
 
         def dying_save(model, optimizer=None, **kw):
-            if optimizer.step_count == args.kill_in_save and comm.rank == args.kill_rank:
+            if optimizer.step_count == args.kill_in_save and comm.rank in kill_ranks:
                 os.kill(os.getpid(), signal.SIGKILL)
             return save(model, optimizer, **kw)
 
@@ -78,9 +83,12 @@ def main() -> None:
         if "first_step_time" not in record:
             record["first_step_time"] = time.time()
             record["resumed_step"] = step - 1
-        if first_launch and step == args.kill_at and comm.rank == args.kill_rank:
-            with open(args.events + ".death", "w") as f:
-                f.write(repr(time.time()))
+        if args.step_seconds:
+            time.sleep(args.step_seconds)
+        if first_launch and step == args.kill_at and comm.rank in kill_ranks:
+            if comm.rank == min(kill_ranks):
+                with open(args.events + ".death", "w") as f:
+                    f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         if step == args.stop_at:
             opt.request_stop()

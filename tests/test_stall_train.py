@@ -6,7 +6,8 @@ the timeout at a chosen point, and the other waits for it in a collective.
 Expected: the job ends within the timeout plus a few seconds of the stall (not
 after the sleep), with a ``[mpishard] ... did not finish within 2 s`` line that names
 the collective and the group from a rank that waited (exactly one with 2 ranks; at
-4 ranks each waiting rank may report before the abort reaches it, once each).
+4 ranks each waiting rank may report before the abort reaches it, once each), and
+names the stalled rank (running, in no call of the library) with its Python stack.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def test_a_stalled_rank_ends_the_job_naming_call_and_group(case, n):
     assert stalled, out
     assert ended - float(stalled.group(1)) < TIMEOUT + GRACE, (ended, out)
     lines = [line for line in out.splitlines() if "did not finish within" in line]
-    ranks = [int(r) for line in lines for r in re.findall(r"world rank (\d+) ", line)]
+    ranks = [int(r) for line in lines for r in re.findall(r"\[mpishard\] world rank (\d+) ",
+                                                          line)]
     assert len(ranks) == len(lines) == len(set(ranks)) >= 1, out
     assert 1 not in ranks, out                   # the stalled rank waits in no call
     assert n > 2 or len(lines) == 1, out
@@ -107,3 +109,9 @@ def test_a_stalled_rank_ends_the_job_naming_call_and_group(case, n):
         assert re.search(rf"\b{call} over the {group} group\b", line), lines
         assert during in line, lines
         assert f"within {TIMEOUT:g} s" in line, lines
+        # The stalled rank is named, and shown running but in no call. It sleeps (state
+        # S), unless another waiting rank's signal has it writing its stack (R).
+        assert re.search(r"did not arrive: world rank 1 \(pid \d+ on \S+\): is running "
+                         r"\(state [SR]\) but is in no call of the library", line), lines
+    # Its stack, from faulthandler: the sleep in the job's stall().
+    assert re.search(r'File "<string>", line \d+ in stall', out), out

@@ -7,16 +7,52 @@ allocation), watches them, and relaunches them at a new size, where they resume
 from the newest complete checkpoint, resharded
 (:class:`~mpishard.strategies.ElasticOptimizer` does that side).
 
-* A worker dies (killed, crashed, node lost): the launcher ends the job; the
-  agent relaunches with one worker fewer (its slot is taken as lost), if that
-  is still at least ``min_workers`` and restarts are left.
+The agent watches the workers themselves, not only the launcher: each rank notes
+its pid and host in a per-launch folder (``MPISHARD_JOB_DIR``, see
+:mod:`mpishard.comm.stuck`) and removes the note when it exits through Python. A
+worker on the agent's host whose note stays while its pid is gone died (SIGKILL, a
+crash, the out-of-memory killer).
+
+* Workers die: the agent sees it within ``poll`` seconds, waits ``grace`` seconds
+  for other deaths of the same event, ends the survivors on its host itself (Open
+  MPI's ``mpirun`` takes about 2 s to notice) and relaunches with as many workers
+  fewer as died (their slots are taken as lost), unless the slot source was
+  rewritten after the death: then with what it says. At least ``min_workers`` and
+  while restarts are left. A failure without a death the agent can see (an
+  exception, an abort, a worker on another host) counts one lost slot.
 * The slot source changes (a rewritten ``--slots-file`` or hostfile, or SIGUSR2
   or SIGHUP to the agent): the agent sends SIGUSR1 to the workers, which write a
   checkpoint at the next step boundary and exit with
   :data:`~mpishard.exitcodes.EXIT_STOPPED`; the agent relaunches at the new size,
   within ``[min_workers, max_workers]``.
-* SIGTERM or SIGINT to the agent (a Slurm preemption or time limit) is passed
-  on to the workers, which checkpoint and stop; the agent then stops too.
+* SIGTERM or SIGINT to the agent (a Slurm preemption or time limit, Ctrl-C): the
+  agent sends SIGTERM straight to the workers on its host (and SIGUSR1 through the
+  launcher, which passes it on unchanged, where some run elsewhere), never to the
+  launcher: Open MPI 4.1's ``mpirun`` would SIGKILL the ranks about 2 s later,
+  losing a longer step. The workers checkpoint and exit with 75; the agent then
+  exits with the workers' status: **75** for that clean stop, 0 if they had
+  finished anyway, else the launcher's status. A second SIGTERM/SIGINT ends the
+  launcher at once. (``mpirun`` runs in a session of its own, so a terminal's
+  Ctrl-C reaches the agent only.)
+
+The workers see these variables (all set by the agent):
+
+=================================  ==========================================
+``MPISHARD_ELASTIC``               ``1``: started by the agent
+``MPISHARD_ELASTIC_WORKERS``       this launch's world size
+``MPISHARD_ELASTIC_RESTARTS``      relaunches after failures so far (0 first)
+``MPISHARD_ELASTIC_MIN_WORKERS``   ``--min-workers`` (ElasticOptimizer's default)
+``MPISHARD_ELASTIC_MAX_WORKERS``   ``--max-workers`` (ElasticOptimizer's default)
+``MPISHARD_ELASTIC_FAILED_AT``     after a failure: the last moment (epoch
+                                   seconds) the dead worker was seen alive, at
+                                   most ``poll`` s before its death (else when
+                                   the launcher exited); ``recovery_seconds``
+                                   counts from it to the first step after
+``MPISHARD_ELASTIC_LOST``          after a failure: workers lost
+``MPISHARD_ELASTIC_READY_FILE``    rank 0 creates it once every rank handles
+                                   SIGUSR1 and SIGTERM
+``MPISHARD_JOB_DIR``               this launch's folder of rank notes
+=================================  ==========================================
 
 The agent never initialises MPI itself: it is the parent of ``mpirun``.
 """
@@ -27,9 +63,12 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,7 +77,7 @@ from typing import TextIO
 from ..exitcodes import EXIT_STOPPED
 from .slots import SlotSource, next_size
 
-__all__ = ["ElasticAgent", "ElasticFailure", "last_checkpoint"]
+__all__ = ["ElasticAgent", "ElasticFailure", "WorkerWatch", "last_checkpoint"]
 
 
 class ElasticFailure(Exception):
@@ -57,13 +96,103 @@ def last_checkpoint(folder: str | None) -> str | None:
     return best[1] if best else None
 
 
+def _alive(pid: int) -> bool:
+    """``pid`` is a running (or stopped) process, not gone and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+        return text[text.rindex(")") + 2:][:1] not in "ZX"
+    except FileNotFoundError:
+        return False
+    except OSError:       # no /proc: ask the kernel (a zombie then counts as alive)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+class WorkerWatch:
+    """The workers of one launch, from the notes they leave in ``directory``
+    (``rank-R.json``: pid and host; ``abort-R.json``: the rank aborted the job).
+
+    :meth:`look` returns the ranks on this host that died: note present, pid
+    gone. A note that disappears is a rank that exited through Python (normally,
+    or with an exception); such an exit, or an abort, marks the failure as the
+    software's (:attr:`software`), and deaths after it (the launcher ending the
+    others) are not counted.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.host = socket.gethostname()
+        self.workers: dict[int, tuple[int, str]] = {}
+        self.dead: set[int] = set()
+        self.software = False
+
+    def _notes(self) -> dict[int, tuple[int, str]]:
+        found = {}
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return found
+        for name in names:
+            if name.startswith("abort-"):
+                self.software = True
+            match = re.fullmatch(r"rank-(\d+)\.json", name)
+            if not match:
+                continue
+            try:
+                with open(os.path.join(self.directory, name)) as f:
+                    note = json.load(f)
+                found[int(match.group(1))] = (int(note["pid"]), str(note["host"]))
+            except (OSError, ValueError, KeyError):
+                continue      # being written (it is replaced atomically) or removed
+        return found
+
+    def look(self) -> set[int]:
+        """Ranks found dead by this look (not before)."""
+        notes = self._notes()
+        if any(rank not in notes and rank not in self.dead for rank in self.workers):
+            self.software = True                 # a rank left through Python
+        self.workers.update(notes)
+        new = {rank for rank, (pid, host) in notes.items()
+               if host == self.host and rank not in self.dead and not _alive(pid)}
+        self.dead |= new
+        return new
+
+    def local(self) -> list[int]:
+        """Pids of the live workers on this host."""
+        return [pid for rank, (pid, host) in self.workers.items()
+                if host == self.host and rank not in self.dead and _alive(pid)]
+
+    def remote(self) -> bool:
+        """Some worker runs on another host."""
+        return any(host != self.host for _, host in self.workers.values())
+
+    def signal_local(self, signum: int) -> int:
+        """Send ``signum`` to the live workers on this host; how many got it."""
+        sent = 0
+        for pid in self.local():
+            try:
+                os.kill(pid, signum)
+                sent += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+        return sent
+
+
 @dataclass
 class ElasticAgent:
     """Runs ``command`` on between ``min_workers`` and ``max_workers`` ranks.
 
     Args:
         command: the worker command (``python train.py ...``), unchanged between sizes.
-        min_workers, max_workers: the allowed range of the world size.
+        min_workers, max_workers: the allowed range of the world size (passed to
+            the workers, where :class:`~mpishard.strategies.ElasticOptimizer`
+            takes them as its defaults).
         slots: where the number of available slots comes from.
         max_restarts: relaunches after failures (planned resizes do not count).
         launcher: ``"mpirun"``, ``"srun"`` or ``"auto"`` (srun inside Slurm).
@@ -71,6 +200,9 @@ class ElasticAgent:
         checkpoint_dir: where the workers checkpoint, to name the last good one.
         log: a file receiving one JSON object per event.
         poll: seconds between looks at the workers and the slot source.
+        grace: seconds after a first death during which further deaths count as
+            the same event (two workers killed at once), before the agent ends
+            the survivors on its host.
     """
 
     command: Sequence[str]
@@ -82,7 +214,8 @@ class ElasticAgent:
     launcher_args: Sequence[str] = ()
     checkpoint_dir: str | None = None
     log: str | None = None
-    poll: float = 0.2
+    poll: float = 0.1
+    grace: float = 0.3
     out: TextIO = sys.stderr
 
     def __post_init__(self) -> None:
@@ -97,12 +230,12 @@ class ElasticAgent:
             raise ValueError(f"launcher must be mpirun, srun or auto, got {self.launcher!r}")
         self._rescan = False
         self._stop_signal: int | None = None
+        self._stops = 0
         # Held open for the agent's life (closed in run()): every event is appended.
         self._log_file = open(self.log, "a") if self.log else None  # noqa: SIM115
-        import tempfile
-
-        self._ready_file = os.path.join(tempfile.gettempdir(),
-                                        f"mpishard-ready-{os.getpid()}-{id(self)}")
+        self._folder = tempfile.mkdtemp(prefix=f"mpishard-agent-{os.getpid()}-")
+        self._ready_file = os.path.join(self._folder, "ready")
+        self._launches = 0
 
     # --- events --------------------------------------------------------------
     def _event(self, kind: str, **fields) -> None:
@@ -130,15 +263,19 @@ class ElasticAgent:
             base = ["mpirun", "-n", str(workers)]
         return base + list(self.launcher_args) + list(self.command)
 
-    def _start(self, workers: int, restarts: int, reason: str,
-               died_at: float | None) -> subprocess.Popen:
+    def _start(self, workers: int, restarts: int, reason: str, died_at: float | None,
+               lost: int, job_dir: str) -> subprocess.Popen:
         env = dict(os.environ)
         env.update(MPISHARD_ELASTIC="1", MPISHARD_ELASTIC_WORKERS=str(workers),
                    MPISHARD_ELASTIC_RESTARTS=str(restarts),
                    MPISHARD_ELASTIC_MIN_WORKERS=str(self.min_workers),
-                   MPISHARD_ELASTIC_MAX_WORKERS=str(self.max_workers))
+                   MPISHARD_ELASTIC_MAX_WORKERS=str(self.max_workers),
+                   MPISHARD_JOB_DIR=job_dir)
+        for key in ("MPISHARD_ELASTIC_FAILED_AT", "MPISHARD_ELASTIC_LOST"):
+            env.pop(key, None)
         if died_at is not None:
             env["MPISHARD_ELASTIC_FAILED_AT"] = repr(died_at)
+            env["MPISHARD_ELASTIC_LOST"] = str(lost)
         # The workers create this file once every rank handles SIGUSR1: a signal
         # sent before that would kill a worker that is still starting up.
         env["MPISHARD_ELASTIC_READY_FILE"] = self._ready_file
@@ -149,18 +286,21 @@ class ElasticAgent:
         cmd = self.launch_command(workers)
         self._event("launch", workers=workers, restarts=restarts, reason=reason,
                     command=shlex.join(cmd))
-        return subprocess.Popen(cmd, env=env)
+        # A session of its own: a terminal's Ctrl-C (SIGINT to the foreground
+        # group) reaches the agent, which stops the workers cleanly, and not mpirun.
+        return subprocess.Popen(cmd, env=env, start_new_session=True)
 
     def _signal(self, proc: subprocess.Popen, signum: int) -> None:
         try:
-            proc.send_signal(signum)   # mpirun and srun forward it to every worker
+            proc.send_signal(signum)   # mpirun and srun forward SIGUSR1 to every worker
         except ProcessLookupError:
             pass
 
     # --- the loop ---------------------------------------------------------------
     def run(self) -> int:
         """Run until the workers finish (returns 0), the agent is told to stop
-        (returns the workers' status), or the job cannot go on (raises).
+        (returns the workers' status: 75 when they checkpointed and stopped), or
+        the job cannot go on (raises).
 
         Raises:
             ElasticFailure: fewer than ``min_workers`` slots, or restarts used up;
@@ -179,12 +319,14 @@ class ElasticAgent:
                 signal.signal(s, handler)
             if self._log_file is not None:
                 self._log_file.close()
+            shutil.rmtree(self._folder, ignore_errors=True)
 
     def _on_rescan(self, signum, frame) -> None:
         self._rescan = True
 
     def _on_stop(self, signum, frame) -> None:
         self._stop_signal = signum
+        self._stops += 1
 
     def _available(self) -> int:
         try:
@@ -197,30 +339,20 @@ class ElasticAgent:
         if workers < self.min_workers:
             raise self._fail(f"{workers} slot(s) available in {self.slots.describe()}, "
                              f"fewer than --min-workers {self.min_workers}")
-        restarts, reason, died_at = 0, "start", None
+        restarts, reason, died_at, lost = 0, "start", None, 0
         while True:
+            self._launches += 1
+            job_dir = os.path.join(self._folder, f"launch-{self._launches}")
+            os.makedirs(job_dir)
             stamp = self.slots.stamp()
-            proc = self._start(workers, restarts, reason, died_at)
-            resize_to = None
-            forwarded = False
-            while proc.poll() is None:
-                time.sleep(self.poll)
-                ready = os.path.exists(self._ready_file)
-                if self._stop_signal is not None and not forwarded and ready:
-                    self._event("forward", signal=signal.Signals(self._stop_signal).name)
-                    self._signal(proc, signal.SIGTERM)
-                    forwarded = True
-                new_stamp = self.slots.stamp()
-                if ((new_stamp != stamp or self._rescan) and resize_to is None
-                        and not forwarded and ready):
-                    stamp, self._rescan = new_stamp, False
-                    target = next_size("slots", workers, self._available(),
-                                       self.min_workers, self.max_workers)
-                    if target != workers and target >= self.min_workers:
-                        resize_to = target
-                        self._event("resize", workers=workers, to=target)
-                        self._signal(proc, signal.SIGUSR1)
-            code = proc.returncode
+            proc = self._start(workers, restarts, reason, died_at, lost, job_dir)
+            try:
+                code, outcome = self._watch(proc, workers, stamp, WorkerWatch(job_dir))
+            finally:
+                if proc.poll() is None:      # the agent itself is failing: take mpirun along
+                    proc.kill()
+                    proc.wait()
+            shutil.rmtree(job_dir, ignore_errors=True)
             try:
                 os.remove(self._ready_file)
             except FileNotFoundError:
@@ -228,27 +360,89 @@ class ElasticAgent:
             if code == 0:
                 self._event("done", workers=workers, restarts=restarts)
                 return 0
-            if forwarded:
+            if outcome["stopped"]:
                 self._event("stopped", code=code, checkpoint=last_checkpoint(self.checkpoint_dir))
-                return 0 if code == EXIT_STOPPED else code
+                return code if code >= 0 else 128 - code
             if code == EXIT_STOPPED:
                 # The workers checkpointed for a resize (ours, or their own decision).
+                resize_to = outcome["resize_to"]
                 target = resize_to if resize_to is not None else next_size(
                     "slots", workers, self._available(), self.min_workers, self.max_workers)
                 if target < self.min_workers:
                     raise self._fail(f"resize to {target} worker(s) is below --min-workers "
                                      f"{self.min_workers}")
-                workers, reason, died_at = target, "resize", None
+                workers, reason, died_at, lost = target, "resize", None, 0
                 continue
-            died_at = time.time()
+            died_at = outcome["died_at"] or time.time()
+            lost = outcome["lost"] or 1
             restarts += 1
-            self._event("failure", workers=workers, code=code, restarts=restarts)
+            spoke = self.slots.modified_since(died_at)
+            self._event("failure", workers=workers, code=code, restarts=restarts, lost=lost,
+                        died_at=died_at, noticed=outcome["noticed"],
+                        seconds_to_exit=round(time.time() - died_at, 3),
+                        slots_rewritten=spoke)
             if restarts > self.max_restarts:
                 raise self._fail(f"a worker failed (exit status {code}) and the "
                                  f"{self.max_restarts} restart(s) allowed are used up")
-            target = next_size("failure", workers, self._available(), self.min_workers,
-                               self.max_workers)
+            available = self._available()
+            target = (next_size("slots", workers, available, self.min_workers, self.max_workers)
+                      if spoke else next_size("failure", workers, available, self.min_workers,
+                                              self.max_workers, lost=lost))
             if target < self.min_workers:
                 raise self._fail(f"a worker failed (exit status {code}): {target} worker(s) "
                                  f"left, fewer than --min-workers {self.min_workers}")
             workers, reason = target, "failure"
+
+    def _watch(self, proc: subprocess.Popen, workers: int, stamp: tuple,
+               watch: WorkerWatch) -> tuple[int, dict]:
+        """Follow one launch to its end: deaths, slot changes, stop signals.
+        Returns the launcher's status and what happened."""
+        outcome = {"stopped": False, "resize_to": None, "died_at": None, "lost": 0,
+                   "noticed": None}
+        seen_alive = time.time()
+        noticed = None          # monotonic time of the look that first saw a death
+        finished_off = False
+        while proc.poll() is None:
+            time.sleep(self.poll)
+            now = time.time()
+            dead = watch.look()
+            if dead and noticed is None and not watch.software:
+                noticed = time.monotonic()
+                # The last look that saw every worker alive: the death came after it.
+                outcome["died_at"] = seen_alive
+                outcome["noticed"] = now
+            if noticed is not None:
+                if time.monotonic() - noticed <= self.grace:
+                    outcome["lost"] = len(watch.dead)
+                elif not finished_off:
+                    # The same event is over: end the survivors here rather than wait
+                    # for the launcher to notice (about 2 s for Open MPI's mpirun).
+                    finished_off = True
+                    self._event("teardown", dead=sorted(watch.dead),
+                                killing=watch.signal_local(signal.SIGKILL))
+                continue
+            seen_alive = now
+            ready = os.path.exists(self._ready_file)
+            if self._stop_signal is not None and self._stops > 1 and outcome["stopped"]:
+                self._event("kill", signal=signal.Signals(self._stop_signal).name)
+                self._signal(proc, signal.SIGTERM)      # asked twice: stop now
+                self._stops = 1
+            if self._stop_signal is not None and not outcome["stopped"] and ready:
+                direct = watch.signal_local(signal.SIGTERM)
+                through = watch.remote() or direct == 0
+                if through:
+                    self._signal(proc, signal.SIGUSR1)   # passed on unchanged by mpirun
+                self._event("forward", signal=signal.Signals(self._stop_signal).name,
+                            direct=direct, through_launcher=through)
+                outcome["stopped"] = True
+            new_stamp = self.slots.stamp()
+            if ((new_stamp != stamp or self._rescan) and outcome["resize_to"] is None
+                    and not outcome["stopped"] and ready):
+                stamp, self._rescan = new_stamp, False
+                target = next_size("slots", workers, self._available(),
+                                   self.min_workers, self.max_workers)
+                if target != workers and target >= self.min_workers:
+                    outcome["resize_to"] = target
+                    self._event("resize", workers=workers, to=target)
+                    self._signal(proc, signal.SIGUSR1)
+        return proc.returncode, outcome

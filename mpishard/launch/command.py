@@ -18,7 +18,11 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
         description="Start the workers with mpirun (srun inside Slurm), relaunch them at a "
                     "new size when one dies or the slots change; they resume from the "
                     "newest checkpoint. Example: mpishard run --min-workers 2 --max-workers 4 "
-                    "--slots-file slots -- python train.py")
+                    "--slots-file slots -- python train.py. Exit status: 0 when the "
+                    "workers finish; 75 when SIGTERM/SIGINT (preemption) stopped them after "
+                    "a checkpoint; 1 when the job cannot go on (too few workers, no "
+                    "restarts left); 2 for bad arguments. min/max workers reach the "
+                    "workers' ElasticOptimizer through MPISHARD_ELASTIC_MIN_WORKERS/_MAX_WORKERS.")
     run.add_argument("--min-workers", type=int, default=1)
     run.add_argument("--max-workers", type=int, default=1024)
     source = run.add_mutually_exclusive_group()

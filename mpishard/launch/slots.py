@@ -77,6 +77,17 @@ class SlotSource:
         raise ValueError("no slot source: give --workers, --slots-file or --hostfile, "
                          "or run inside a Slurm allocation")
 
+    def modified_since(self, when: float) -> bool:
+        """True when the slot file or hostfile was written at or after ``when``
+        (seconds since the epoch); a fixed or Slurm source never changes."""
+        path = self.slots_file or self.hostfile
+        if path is None:
+            return False
+        try:
+            return os.stat(path).st_mtime >= when
+        except OSError:
+            return False
+
     def stamp(self) -> tuple:
         """Changes when the source may have changed (file modification time)."""
         path = self.slots_file or self.hostfile
@@ -90,17 +101,20 @@ class SlotSource:
 
 
 def next_size(event: str, current: int, available: int, min_workers: int,
-              max_workers: int) -> int:
+              max_workers: int, lost: int = 1) -> int:
     """The worker count after ``event``; below ``min_workers`` means stop.
 
     * ``"start"``: as many as are available, up to the maximum.
-    * ``"failure"``: a worker died; its slot is taken as lost, so one fewer
-      than before (and no more than are available).
+    * ``"failure"``: ``lost`` workers died; their slots are taken as lost, so
+      ``lost`` fewer than before (and no more than are available). Where the slot
+      source was rewritten after the death, the agent asks for ``"slots"`` instead.
     * ``"slots"``: the slot source changed; as many as are available now, up to
       the maximum.
     """
     if event == "failure":
-        return min(current - 1, available)
+        if lost < 1:
+            raise ValueError(f"expecting at least 1 lost worker, got {lost}")
+        return min(current - lost, available)
     if event in ("start", "slots"):
         return min(available, max_workers)
     raise ValueError(f"unknown event {event!r}")
