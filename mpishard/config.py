@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .comm import FlatComm, ProcessGroups, from_comm
+from .comm import FlatComm, ProcessGroups, from_comm, ulfm
 from .comm.abort import install_abort_hook
+from .comm.stuck import register as register_ranks
 from .errors import TopologyError
 from .topology import Topology
 
@@ -28,15 +29,47 @@ class ShardingConfiguration:
         tensor_parallel_size: ranks that split each layer.
         pipeline_parallel_size: stages the layers are cut into.
         data_parallel_size: replicas; ``-1`` means world / (tp * pp).
-        abort_on_exception: install an exception hook that calls ``Abort`` on
-            ``comm`` when a rank dies of an uncaught exception, so the other ranks
-            do not wait in a collective forever.
+        abort_on_exception: install an exception hook that calls ``MPI_Abort``
+            when a rank dies of an uncaught exception, so the other ranks do not
+            wait in a collective forever. ``MPI_Abort`` ends every process of
+            the job, ranks outside ``comm`` (a simulation) included. With False
+            the library never aborts: an exception is the caller's, and a call
+            past ``timeout`` raises :class:`~mpishard.errors.CommunicationError`
+            on the ranks that waited (the groups are unusable after it).
         timeout: seconds any MPI call of the library may take before the job is
-            aborted with a message naming the call, the group and the rank
+            aborted (or, with ``abort_on_exception=False``, a
+            ``CommunicationError`` is raised) with a message naming the call,
+            the group and the rank (world rank, host, rank in the group); the
+            constructor's own collectives included
             (``None``: wait forever).
+        allow_tensor_across_nodes: accept, with a warning, a layout whose
+            tensor-parallel groups cannot all stay inside one node (refused by
+            default; see :class:`~mpishard.comm.ProcessGroups`).
+        reproducible: train bit for bit the same at any data-parallel size, with
+            DDP or ZeRO-2, pipelined or not, across a resize or a resharded
+            restart (see :mod:`mpishard.parallel.repro`). Default off: the
+            default mode's speed is unchanged.
+        unit_rows: rows per unit of work in reproducible mode (a unit is rows
+            ``[u * unit_rows, (u + 1) * unit_rows)`` of the global batch, computed
+            alone on whatever rank holds it). ``None``: ``B // gcd(B, 24)`` for a
+            global batch of ``B`` rows, so ``gcd(B, 24)`` units and any
+            data-parallel size dividing that works (1, 2, 3, 4, 6, 8, 12, 24
+            when 24 divides ``B``).
+        fault_tolerance: ``"auto"`` (default): where the job runs under Open MPI 5
+            started with ``mpirun --with-ft ulfm``, the groups return errors
+            (``mpi4py.MPI.Exception``) when a rank dies instead of ending the job,
+            so the survivors can go on in place
+            (:func:`mpishard.parallel.recovery.recover_in_place`); ``"ulfm"``:
+            the same, and an error where ULFM is not available; ``"off"``.
+        evict_stuck: with ULFM on, a call past ``timeout`` SIGKILLs the ranks of
+            its group on this host that did not arrive (stopped, looping,
+            deadlocked) instead of aborting, and the survivors recover as from a
+            death (:func:`mpishard.comm.ulfm.enable`).
 
     Raises:
-        TopologyError: sizes that do not divide the communicator's size, on every rank.
+        TopologyError: sizes that do not divide the communicator's size, or a
+            tensor group that would cross nodes; on every rank.
+        ValueError: ``unit_rows`` not a positive integer or None.
     """
 
     comm: Any = None
@@ -45,11 +78,29 @@ class ShardingConfiguration:
     data_parallel_size: int = -1
     abort_on_exception: bool = True
     timeout: float | None = None
+    allow_tensor_across_nodes: bool = False
+    reproducible: bool = False
+    unit_rows: int | None = None
+    fault_tolerance: str = "auto"
+    evict_stuck: bool = False
     topology: Topology = field(init=False)
     _groups: ProcessGroups | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.unit_rows is not None and (not isinstance(self.unit_rows, int)
+                                           or isinstance(self.unit_rows, bool)
+                                           or self.unit_rows < 1):
+            raise ValueError(f"unit_rows must be a positive integer or None, "
+                             f"got {self.unit_rows!r}")
+        given = self.comm is not None
         parent = from_comm(self.comm, "parent", self.timeout)
+        parent.abort_job = self.abort_on_exception
+        # The first collective, under the timeout: a rank of ``comm`` that never
+        # calls the constructor (busy elsewhere in a simulation) is named here, and
+        # the message says what was waited for. A barrier on the temporary parent
+        # object, so that no group made below keeps this activity in its messages.
+        with parent.during(_construction(given, parent.size)):
+            parent.barrier()
         self.comm = parent.comm
         world = parent.dup("world")
         # Every rank computes the same thing from the same arguments; should the
@@ -67,7 +118,13 @@ class ShardingConfiguration:
         world.agree(None if same else f"layout (dp, tp, pp) = {mine} differs between ranks",
                     TopologyError)
         self.data_parallel_size = self.topology.dp
-        self._groups = ProcessGroups.split(world, self.topology)
+        self._groups = ProcessGroups.split(
+            world, self.topology, allow_tensor_across_nodes=self.allow_tensor_across_nodes)
+        # Each rank's pid and host, to name a stuck rank at a timeout (comm/stuck.py).
+        register_ranks(world)
+        if ulfm.wanted(self.fault_tolerance, world):
+            g = self._groups
+            ulfm.enable([g.world, g.dp, g.tp, g.pp], evict_stuck=self.evict_stuck)
         if self.abort_on_exception:
             install_abort_hook(world)
 
@@ -89,3 +146,14 @@ class ShardingConfiguration:
         if self._groups is not None:
             self._groups.free()
             self._groups = None
+
+
+def _construction(given: bool, size: int) -> str:
+    """What the constructor's first collective waits for, for a timeout message."""
+    if given:
+        return (f"ShardingConfiguration(comm=...), which every one of the {size} ranks of "
+                f"that communicator must call; a rank that does other work (a simulation) "
+                f"must not be in it: pass comm= the communicator of the ranks that train")
+    return (f"ShardingConfiguration() over MPI.COMM_WORLD (no comm= given), which every one "
+            f"of its {size} ranks must call; where other ranks do other work (a "
+            f"simulation), pass comm= the communicator of the ranks that train")

@@ -28,7 +28,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..backend import array_namespace, synchronize
-from ..errors import MpiShardError
+from ..errors import CommunicationError, MpiShardError
+from . import stuck
 from .cuda import cuda_aware
 
 __all__ = ["OPS", "FlatComm", "Handle", "from_comm", "world_rank_and_host"]
@@ -95,6 +96,13 @@ class FlatComm:
         cuda_aware: hand device buffers to MPI directly; ``None`` detects.
     """
 
+    #: What :meth:`abort` does (a timeout's end): ``MPI_Abort``, ending every
+    #: process of the job (True), or raise :class:`~mpishard.errors.CommunicationError`
+    #: on this rank only (False: ``ShardingConfiguration(abort_on_exception=False)``,
+    #: for a job whose other ranks, a simulation, must live on). Groups made
+    #: from this one (dup, split) inherit it.
+    abort_job = True
+
     def __init__(self, comm: MPI.Comm, name: str, timeout: float | None = None,
                  cuda_aware_mpi: bool | None = None) -> None:
         if timeout is not None and not timeout > 0:
@@ -110,6 +118,9 @@ class FlatComm:
         self._int = np.zeros(1, dtype=np.int64)          # reused by allreduce of ints
         self._length = np.zeros(1, dtype=np.int64)       # reused by bcast
         self._during: list[str] = []                     # what the caller is doing, for messages
+        #: At the timeout, SIGKILL the ranks that did not arrive instead of aborting
+        #: (ULFM only: :func:`mpishard.comm.ulfm.enable` sets it).
+        self.evict_stuck = False
 
     # --- waiting ---------------------------------------------------------
     def wait_request(self, request: MPI.Request, what: str) -> None:
@@ -117,13 +128,51 @@ class FlatComm:
         if self.timeout is None:
             request.Wait()
             return
-        deadline = time.monotonic() + self.timeout
-        while not request.Test():
-            if time.monotonic() > deadline:
-                self.abort(f"{self.describe(what)} did not finish within {self.timeout:g} s; "
-                           f"a rank is probably not taking part (it failed, or its code took "
-                           f"another path)")
-            time.sleep(0)
+        start = time.monotonic()
+        deadline = start + self.timeout
+        # A wait longer than note_after() is noted in the job directory, so that the
+        # ranks that time out can tell who arrived; quick waits write nothing.
+        note_at, noted, evicted = start + stuck.note_after(self.timeout), False, False
+        try:
+            while not request.Test():
+                now = time.monotonic()
+                if not noted and now > note_at:
+                    stuck.note_wait(self.name, self.rank, self.describe(what))
+                    noted = True
+                if now > deadline:
+                    if self.evict_stuck and not evicted:
+                        # ULFM: end the ranks that did not arrive; this wait then fails
+                        # with ERR_PROC_FAILED and the caller recovers in place.
+                        self._evict(what)
+                        evicted, deadline = True, now + self.timeout
+                        continue
+                    self._abort_stuck(what)
+                time.sleep(0)
+        finally:
+            if noted:
+                stuck.unnote_wait()
+
+    def _members(self) -> list[int]:
+        """The ``MPI.COMM_WORLD`` rank of each rank of the group. Local."""
+        return list(MPI.Group.Translate_ranks(self.comm.Get_group(), list(range(self.size)),
+                                              MPI.COMM_WORLD.Get_group()))
+
+    def _evict(self, what: str) -> None:
+        done = stuck.evict(self.name, self._members())
+        sys.stderr.write(f"[mpishard] {world_rank_and_host()} (rank {self.rank} of the "
+                         f"{self.name} group): {self.describe(what)} did not finish within "
+                         f"{self.timeout:g} s; " + ("; ".join(done) or "no rank to evict")
+                         + "\n")
+        sys.stderr.flush()
+
+    def _abort_stuck(self, what: str) -> None:
+        """Abort naming ``what`` and the ranks of the group that did not arrive:
+        world rank, pid, host, whether it is stopped, and its Python stack
+        (:mod:`mpishard.comm.stuck`)."""
+        summary, detail = stuck.diagnose(self.name, self._members())
+        self.abort(f"{self.describe(what)} did not finish within {self.timeout:g} s"
+                   + (summary or "; a rank is probably not taking part (it failed, or its "
+                                 "code took another path)"), detail=detail)
 
     def describe(self, what: str) -> str:
         """``what`` named as in a timeout message: "Ibcast over the world group
@@ -145,11 +194,21 @@ class FlatComm:
         """Print ``message`` naming this rank and abort every rank of the job.
 
         ``MPI_Abort`` ends every process of the job (all of ``MPI.COMM_WORLD``
-        under Open MPI), not only this group.
+        under Open MPI), not only this group. With :attr:`abort_job` False it
+        raises instead, on this rank only.
+
+        Raises:
+            CommunicationError: ``abort_job`` is False; this group is unusable after.
         """
+        if not self.abort_job:
+            raise CommunicationError(f"{world_rank_and_host()} (rank {self.rank} of the "
+                                     f"{self.name} group): {message}; the library's "
+                                     f"communicators over these ranks are unusable now"
+                                     + (f"\n{detail}" if detail else ""))
         sys.stderr.write(f"[mpishard] {world_rank_and_host()} (rank {self.rank} of the "
                          f"{self.name} group): {message}; aborting the job\n{detail}")
         sys.stderr.flush()
+        stuck.note_abort(message)
         MPI.COMM_WORLD.Abort(code)
 
     def _timed(self, request: MPI.Request, what: str) -> None:
@@ -239,6 +298,23 @@ class FlatComm:
             self.wait_request(self.comm.Iallgatherv(send, spec), "Iallgatherv")
         else:
             self.comm.Allgatherv(send, spec)
+        if copy_back is not None:
+            copy_back()
+
+    def Alltoallv(self, sendbuf: Any, sendcounts: Sequence[int], recvbuf: Any,
+                  recvcounts: Sequence[int], slot: Any = "alltoall") -> None:
+        """Rank ``i`` sends the ``j``-th piece of ``sendbuf`` (``sendcounts[j]``
+        elements; pieces in rank order) to rank ``j``, and receives ``recvcounts[j]``
+        elements from each rank ``j`` into ``recvbuf``, placed in rank order.
+        Collective over the group."""
+        send, _ = self._host(sendbuf, (slot, "send"))
+        recv, copy_back = self._host(recvbuf, (slot, "recv"))
+        sspec = [send, ([int(c) for c in sendcounts], _displacements(sendcounts))]
+        rspec = [recv, ([int(c) for c in recvcounts], _displacements(recvcounts))]
+        if self.timeout is not None:
+            self.wait_request(self.comm.Ialltoallv(sspec, rspec), "Ialltoallv")
+        else:
+            self.comm.Alltoallv(sspec, rspec)
         if copy_back is not None:
             copy_back()
 
@@ -406,20 +482,25 @@ class FlatComm:
             comm = self.comm.Dup()
         copy = FlatComm(comm, name or self.name, self.timeout, self._cuda_aware)
         copy._during = list(self._during)
+        copy.abort_job = self.abort_job
         return copy
 
     def split(self, color: int, key: int, name: str) -> FlatComm:
         """The sub-group of the ranks with the same ``color``, ordered by ``key``.
         Collective over the group (``Comm_split`` has no non-blocking form, so it
         is not under the timeout; the collective before it in the library is)."""
-        return FlatComm(self.comm.Split(color=color, key=key), name, self.timeout,
-                        self._cuda_aware)
+        child = FlatComm(self.comm.Split(color=color, key=key), name, self.timeout,
+                         self._cuda_aware)
+        child.abort_job = self.abort_job
+        return child
 
     def split_shared(self, name: str = "node") -> FlatComm:
         """The ranks of this group that share this rank's node (shared memory).
         Collective over the group."""
-        return FlatComm(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank), name,
-                        self.timeout, self._cuda_aware)
+        child = FlatComm(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank), name,
+                         self.timeout, self._cuda_aware)
+        child.abort_job = self.abort_job
+        return child
 
     def free(self) -> None:
         """Free the communicator (not ``MPI.COMM_WORLD``/``COMM_SELF``). Collective."""
@@ -455,3 +536,8 @@ def _chain(*steps: Callable[[], None] | None) -> Callable[[], None] | None:
             step()
 
     return run
+
+
+def _displacements(counts: Sequence[int]) -> list[int]:
+    """Where each rank's piece starts: the running sum of ``counts`` before it."""
+    return np.concatenate(([0], np.cumsum(counts[:-1]))).astype(int).tolist()

@@ -75,6 +75,9 @@ OPTIONS: tuple[Option, ...] = (
            ("1f1b", "gpipe")),
     Option("accumulation_steps", "int", 1, "micro-batches accumulated per step on each "
            "data-parallel rank", _G_PAR),
+    Option("reproducible", "bool", False, "bitwise-reproducible training: the same "
+           "parameters and losses at any data-parallel size, strategy and pipeline split "
+           "(slower; the global batch is cut into gcd(batch, 24) units)", _G_PAR),
     Option("d_model", "int", 64, "GPT width", _G_MODEL),
     Option("heads", "int", 4, "GPT attention heads", _G_MODEL),
     Option("layers", "int", 2, "GPT transformer blocks", _G_MODEL),
@@ -139,6 +142,7 @@ class Settings:
     micro_batches: int
     schedule: str
     accumulation_steps: int
+    reproducible: bool
     d_model: int
     heads: int
     layers: int

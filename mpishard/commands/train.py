@@ -178,7 +178,8 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
 
     def build() -> tuple[Any, Any, Any]:
         config = ShardingConfiguration(comm, tensor_parallel_size=s.tp,
-                                       pipeline_parallel_size=s.pp, data_parallel_size=s.dp)
+                                       pipeline_parallel_size=s.pp, data_parallel_size=s.dp,
+                                       reproducible=s.reproducible)
         model = _model(s, config, dtype, n_in, n_out)
         return config, model, _strategy(s, config, model, steps, warmup)
 
@@ -199,7 +200,8 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
               f"{s.data_parallel} across replicas")
     description = [
         f"{name} of {params:,} parameters ({shape}) on {what}",
-        f"{layout}; global batch {s.batch_size}, {s.epochs} epochs = {steps} steps, "
+        f"{layout}{', reproducible' if s.reproducible else ''}; global batch "
+        f"{s.batch_size}, {s.epochs} epochs = {steps} steps, "
         f"{s.optimizer} lr {s.lr:g}, cosine schedule",
     ]
     run = Run(s, config, model, strategy, data, validation, description, closers=closers)

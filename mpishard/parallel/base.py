@@ -21,6 +21,7 @@ from ..flat import Range, bucket_ranges
 from ..optim.base import CHUNK_ELEMENTS, DEVICE_CHUNK_ELEMENTS
 from ..optim.clip import all_finite, clip_coefficient, sum_of_squares
 from ..protocols import BucketedModel, Model, Optimizer
+from .repro import ReproducibleStep
 
 __all__ = ["DataParallelOptimizer"]
 
@@ -118,6 +119,8 @@ class DataParallelOptimizer:
         self._local_bad = False    # a non-finite local loss or gradient this step
         self._no_sync = False
         self._peak_bytes = 0
+        # Reproducible mode's units and binned sums (config.reproducible), made at attach.
+        self._repro: ReproducibleStep | None = None
         if model is not None:
             self.attach(model)
 
@@ -146,6 +149,8 @@ class DataParallelOptimizer:
         # Buckets reduced during the backward must already hold the row-weighted
         # gradient: a model that cannot scale its loss is reduced after it.
         self.bucketed = isinstance(model, BucketedModel) and self.overlap and self._scales_loss
+        # Reproducible mode reduces binned sums at step(), not buckets during the backward.
+        self.bucketed = self.bucketed and not self.config.reproducible
         self._batch_context = hasattr(model, "set_batch_context")
         bucket_elements = max(1, int(self.bucket_mb * 2**20) // model.params.itemsize)
         self.buckets = GradientBuckets(bucket_ranges(model.layout, bucket_elements),
@@ -154,6 +159,7 @@ class DataParallelOptimizer:
         if model.grads is None and isinstance(model, BucketedModel):
             _own_gradient(model, self.xp)
         self._setup()
+        self._repro = ReproducibleStep(self) if self.config.reproducible else None
         self._setup_step()
         self._peak_bytes = max(self._peak_bytes, self._current_bytes())
 
@@ -161,7 +167,9 @@ class DataParallelOptimizer:
         """The step's reduction buffer, who is who in it, and the norm's ranges."""
         group = self._step_group()
         self._stepper = group
-        self._step_buffer = np.zeros(_FLAGS + group.size, dtype=np.float64)
+        # Reproducible mode appends the words of the loss and of the sum of squares.
+        extra = self._repro.extra if self._repro is not None else 0
+        self._step_buffer = np.zeros(_FLAGS + group.size + extra, dtype=np.float64)
         # (data-parallel rank, world rank) of each rank of the step group, to name
         # the rank where a non-finite value appeared; gathered once, here.
         self._who = group.allgather((self.dp.rank, world_rank()))
@@ -172,8 +180,10 @@ class DataParallelOptimizer:
 
     def _require_model(self) -> Model:
         if self.model is None:
-            raise RuntimeError(f"{type(self).__name__} has no model: call attach(model) "
-                               f"or optimize(model, ...) first")
+            raise RuntimeError(f"{type(self).__name__} has no model: pass model= when "
+                               f"you make it ({type(self).__name__}(optimizer, config, "
+                               f"model=model)), or call attach(model) or optimize(model, "
+                               f"...) first")
         return self.model
 
     # --- one step ----------------------------------------------------------
@@ -213,6 +223,8 @@ class DataParallelOptimizer:
         if (batch_start is None) != (global_rows is None):
             raise ValueError(f"give both batch_start and global_rows or neither, got "
                              f"batch_start={batch_start!r}, global_rows={global_rows!r}")
+        if self._repro is not None:
+            return self._repro.backward(x, y, batch_start, global_rows)
         self.buckets.seconds = 0.0
         t0 = time.perf_counter()
         if rows:
@@ -267,7 +279,12 @@ class DataParallelOptimizer:
         if self._pending_micro == 0:
             raise RuntimeError("step() called before backward(): there are no gradients")
         t0 = time.perf_counter()
-        self._finish_gradients()
+        repro = self._repro
+        converted = 0.0       # reproducible mode: seconds converting words to floats
+        if repro is None:
+            self._finish_gradients()
+        else:
+            converted = repro.reduce()
         t1 = time.perf_counter()
         buf = self._step_buffer
         buf.fill(0.0)
@@ -278,13 +295,22 @@ class DataParallelOptimizer:
             # No norm is needed, only whether the gradient is finite: a pass that
             # costs a seventh of the float64 sum of squares (optim.clip.all_finite).
             buf[_SQUARES] = 0.0 if self._local_finite() else math.inf
-        else:
+        elif repro is None:
             buf[_SQUARES] = self._local_sum_of_squares()
         buf[_FLAGS + self._stepper.rank] = self._local_bad
+        tail = _FLAGS + self._stepper.size
+        if repro is not None:
+            # Loss and squares as binned words (their bins agreed first, collectively).
+            repro.fill_totals(buf, tail, self.max_grad_norm is not None)
         t2 = time.perf_counter()
         self._stepper.Allreduce(buf, slot="step")
         t3 = time.perf_counter()
-        self.timings["communication"] += (t1 - t0) + (t3 - t2)
+        if repro is not None:
+            loss_sum, squares = repro.read_totals(buf, tail)
+            buf[_LOSS] = loss_sum
+            if self.max_grad_norm is not None:
+                buf[_SQUARES] = squares
+        self.timings["communication"] += (t1 - t0 - converted) + (t3 - t2)
         self._pending_micro = 0
         self._loss_sum = 0.0
         self._rows = 0
@@ -318,7 +344,7 @@ class DataParallelOptimizer:
     def _refuse(self, loss: float, norm: float) -> None:
         """A non-finite step: raise (the default) or count it as skipped. Every
         rank holds the same reduced totals, so every rank takes the same branch."""
-        flags = self._step_buffer[_FLAGS:]
+        flags = self._step_buffer[_FLAGS:_FLAGS + self._stepper.size]
         first = next((i for i, f in enumerate(flags) if f), None)
         if first is None and len(flags) == 1:
             first = 0
@@ -383,6 +409,8 @@ class DataParallelOptimizer:
         """Bytes this rank holds for parameters, gradients, optimizer state and
         communication buffers, with the total now and the peak since attach."""
         report = self._memory()
+        if self._repro is not None:
+            report["buffers"] += self._repro.nbytes()
         report["total"] = sum(report.values())
         self._peak_bytes = max(self._peak_bytes, report["total"])
         report["peak"] = self._peak_bytes
@@ -485,6 +513,20 @@ class DataParallelOptimizer:
 
     def _gather_parameters(self) -> None:
         pass
+
+    # --- reproducible mode (see .repro) ------------------------------------------
+    def _repro_source(self) -> Any:
+        """Where one unit's gradient is, to deposit."""
+        return self.model.grads
+
+    def _reduce_words(self, acc: Any) -> None:
+        """Sum the binned words of ``acc`` (bins already agreed) over ``groups.dp``."""
+        raise NotImplementedError
+
+    def _repro_target(self) -> tuple[Any, int, int]:
+        """``(out, start, stop)``: the reduced gradient's world range ``[start, stop)``
+        this rank updates from, and the array to write it into."""
+        raise NotImplementedError
 
     def _memory(self) -> dict[str, int]:
         raise NotImplementedError

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..comm import Handle
+from ..comm.hierarchical import choose as choose_reduction
 from ..flat import Range, shard_ranges
 from ..protocols import Model
 from .base import DataParallelOptimizer, _nbytes
@@ -57,6 +58,15 @@ class DDPOptimizer(DataParallelOptimizer):
         self.buckets.vector = self._grad_vector
         if self.bucketed:
             model.set_backward_hooks(self.buckets)
+        # The buckets' reduction: over the data group, or in two levels (inside
+        # the nodes, then across) where that measured faster at this bucket size.
+        if getattr(self, "reducer", None) not in (None, self.dp):
+            self.reducer.free()   # attached before
+        self.reduction_timings: dict[str, Any] = {}
+        self.reducer = self.dp if self.config.reproducible else choose_reduction(
+            self.dp, max(len(b) for b in self.buckets.ranges), dtype, xp,
+            blocking=not self.bucketed, nodes=self.config.groups.nodes,
+            record=self.reduction_timings)
 
     @property
     def _grad_vector(self) -> Any:
@@ -67,9 +77,9 @@ class DDPOptimizer(DataParallelOptimizer):
         if self.dp.size == 1:
             return None
         if blocking:
-            self.dp.Allreduce(source, slot=index)
+            self.reducer.Allreduce(source, slot=index)
             return None
-        return self.dp.Iallreduce(source, slot=index)
+        return self.reducer.Iallreduce(source, slot=index)
 
     # --- one micro-batch --------------------------------------------------------
     def _begin(self, micro: int) -> bool:
@@ -133,6 +143,14 @@ class DDPOptimizer(DataParallelOptimizer):
     def _update(self, lr: float, grad_scale: float) -> None:
         self.optimizer.update(self.model.params, self._grad_vector, self.state,
                               self.step_count, lr, grad_scale)
+
+    # --- reproducible mode ------------------------------------------------------
+    def _reduce_words(self, acc: Any) -> None:
+        # Integer sums in float64 words: any Allreduce algorithm gives the same bits.
+        self.dp.Allreduce(acc.words, slot="repro-words")
+
+    def _repro_target(self) -> tuple[Any, int, int]:
+        return self._grad_vector, 0, self.model.params.size
 
     def _memory(self) -> dict[str, int]:
         model = self.model

@@ -8,6 +8,7 @@ or ZeRO-2 on that shard exactly as it would on a whole model.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -86,6 +87,7 @@ class HybridShardedModel:
         self.micro_batches = micro_batches
         self.schedule = schedule
 
+        config.world.agree(_factory_problem(model), TypeError)
         # A one-layer probe tells the layer count and sizes without building the
         # model (collective over the tensor group, like every build).
         probe = model(tp_comm=self.tp, stage_layers=(0, 1))
@@ -143,6 +145,14 @@ class HybridShardedModel:
     def tensor_shards(self):
         return tensor_shards(self.stage_model)
 
+    # A DescribedModel, so checkpoints record (and compare on load) the architecture:
+    # every stage's model records the whole logical model, the same on every rank.
+    def architecture(self) -> dict[str, Any] | None:
+        return getattr(self.stage_model, "architecture", lambda: None)()
+
+    def training_metadata(self) -> dict[str, Any] | None:
+        return None
+
     def describe(self) -> dict[str, Any]:
         """Where this rank sits and what it holds."""
         c = self.config.groups.coordinates
@@ -151,6 +161,25 @@ class HybridShardedModel:
                 "stage_ranges": [list(r) for r in self.stage_ranges],
                 "parameters": int(self.params.size), "schedule": self.schedule,
                 "micro_batches": self.micro_batches}
+
+
+def _factory_problem(factory: Callable[..., Any]) -> str | None:
+    """Why ``factory`` cannot build a stage of a tensor group, or None (or when its
+    signature cannot be read)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    missing = [k for k in ("tp_comm", "stage_layers") if k not in params]
+    if not missing:
+        return None
+    name = getattr(getattr(factory, "func", factory), "__name__", repr(factory))
+    hint = "; for an MLP use ParallelMLP (the same model, split)" if name == "MLP" else ""
+    return (f"the model factory must take tp_comm= and stage_layers= (GPT or ParallelMLP, "
+            f"other arguments bound with functools.partial); {name} takes no "
+            f"{' and no '.join(missing)}{hint}")
 
 
 class HybridShardedOptimizer:

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from ..comm import FlatComm, Handle
+from ..comm.hierarchical import choose as choose_reduction
 from ..errors import MpiShardError
 from ..flat import Range, shard_ranges
 from ..protocols import Model
@@ -49,7 +50,9 @@ class ZeRO2Optimizer(DataParallelOptimizer):
             buffer, and keep the faster), ``"reduce_scatter"`` or ``"allreduce"``.
             Both give the same sum up to rounding; on 3 or more ranks they may
             add in a different order, so pin one where two runs must agree bit
-            for bit (a restarted job and its reference).
+            for bit (a restarted job and its reference), or train with
+            ``ShardingConfiguration(reproducible=True)``, where both give the
+            same bits as DDP at any size (:mod:`mpishard.parallel.repro`).
     """
 
     strategy = "zero2"
@@ -79,6 +82,7 @@ class ZeRO2Optimizer(DataParallelOptimizer):
         # Later micro-batches are received here and added to the shard (one per
         # slot, made on first need: only accumulation uses them).
         self._scratch: list[Any] | None = None
+        self._repro_recv: Any = None    # reproducible mode: one word row of the shard
         if self.bucketed:
             buckets.allocate(xp, dtype)
             model.bind_gradients(buckets.gradient_views(self.layout))
@@ -89,6 +93,16 @@ class ZeRO2Optimizer(DataParallelOptimizer):
             self.reduce_method = choose_reduce_method(
                 dp, max(len(b) for b in buckets.ranges), dtype, xp, self.reduce_timings,
                 blocking=not self.bucketed)
+        # That reduction over the data group, or in two levels (inside the nodes,
+        # then across) where that measured faster at this bucket size.
+        if getattr(self, "reducer", None) not in (None, dp):
+            self.reducer.free()   # attached before
+        self.reduction_timings: dict[str, Any] = {}
+        self.reducer = dp if self.config.reproducible else choose_reduction(
+            dp, max(len(b) for b in buckets.ranges), dtype, xp,
+            kind="allreduce" if self.reduce_method == "allreduce" else "reduce_scatter",
+            blocking=not self.bucketed, nodes=self.config.groups.nodes,
+            record=self.reduction_timings)
 
     @property
     def slots(self) -> list[Any]:
@@ -111,19 +125,19 @@ class ZeRO2Optimizer(DataParallelOptimizer):
         recv = target if first else self._scratch_of(slot)[:len(mine)]
         if blocking:
             if self.reduce_method == "allreduce":
-                self.dp.Allreduce(source, slot=slot)
+                self.reducer.Allreduce(source, slot=slot)
                 _store(target, piece, first)
             else:
-                self.dp.Reduce_scatter(source, recv, self._counts[index], slot=slot)
+                self.reducer.Reduce_scatter(source, recv, self._counts[index], slot=slot)
                 if not first:
                     _store(target, recv, False)
             return None
         if self.reduce_method == "allreduce":
-            return self.dp.Iallreduce(source, slot=slot,
-                                      finish=lambda: _store(target, piece, first))
+            return self.reducer.Iallreduce(source, slot=slot,
+                                           finish=lambda: _store(target, piece, first))
         finish = None if first else (lambda: _store(target, recv, False))
-        return self.dp.Ireduce_scatter(source, recv, self._counts[index], slot=slot,
-                                       finish=finish)
+        return self.reducer.Ireduce_scatter(source, recv, self._counts[index], slot=slot,
+                                            finish=finish)
 
     def _scratch_of(self, slot: int) -> Any:
         if self._scratch is None:
@@ -160,6 +174,30 @@ class ZeRO2Optimizer(DataParallelOptimizer):
 
     def _finish_gradients(self) -> None:
         self.buckets.wait()
+
+    # --- reproducible mode ------------------------------------------------------
+    def _reduce_words(self, acc: Any) -> None:
+        # Integer sums in float64 words: either method, any algorithm, the same bits.
+        if self.reduce_method == "allreduce":
+            self.dp.Allreduce(acc.words, slot="repro-words")
+            return
+        # The words are padded per tensor: each rank receives its shard's padded range.
+        if self._repro_recv is None:
+            ends = [acc.padded_offset(r.start) for r in self.shards] + [acc.padded_size]
+            self._repro_counts = [b - a for a, b in zip(ends[:-1], ends[1:])]
+            self._repro_span = (ends[self.dp.rank], ends[self.dp.rank + 1])
+            self._repro_recv = self.xp.empty(max(self._repro_counts[self.dp.rank], 1),
+                                             dtype=acc.words.dtype)
+        lo, hi = self._repro_span
+        recv = self._repro_recv[:hi - lo]
+        for k in range(acc.k):
+            row = acc.words[k].reshape(-1)
+            self.dp.Reduce_scatter(row[:acc.padded_size], recv, self._repro_counts,
+                                   slot="repro-words")
+            row[lo:hi] = recv
+
+    def _repro_target(self) -> tuple[Any, int, int]:
+        return self.shard_grad, self.shard.start, self.shard.stop
 
     # --- norm, update and gather -----------------------------------------------
     def _norm_pieces(self, owned: list[Range]) -> list[Range]:

@@ -6,8 +6,14 @@ to the current world size (the agent behind ``mpishard run`` relaunches the
 workers at a new size after a failure or a change of slots). While training it
 checkpoints every ``checkpoint_every`` steps, and on SIGUSR1 (a planned resize,
 sent by the agent) or SIGTERM (a Slurm preemption or time limit) it checkpoints
-at the next step boundary and exits with :data:`~mpishard.exitcodes.EXIT_STOPPED`,
-so the job goes on elsewhere or at another size from exactly there.
+at the next step boundary and returns: ``result.stopped`` names the signal,
+:attr:`ElasticOptimizer.stop_reason` says ``"resize"`` or ``"preempt"``, and
+:attr:`ElasticOptimizer.exit_code` is :data:`~mpishard.exitcodes.EXIT_STOPPED`
+(75), the status the agent expects from a worker that stopped to be relaunched
+(``raise SystemExit(opt.exit_code)`` at the end of the script), so the job goes
+on elsewhere or at another size from exactly there. ``optimize()`` never ends
+the process itself (a library call inside a simulation must not), unless
+``exit_on_signal=True`` asks for it.
 
 Signals reach the ranks at different moments, so the decision to stop is agreed
 collectively after every step (:class:`~mpishard.train.StopRequest`: one
@@ -50,7 +56,9 @@ class ElasticOptimizer:
         optimizer: the update rule (:mod:`mpishard.optim`).
         config: the layout; the data-parallel size is the number of workers.
         min_workers, max_workers: the allowed range; starting outside it is an
-            error on every rank.
+            error on every rank. Not given: the ``mpishard run`` agent's
+            ``--min-workers``/``--max-workers`` (``MPISHARD_ELASTIC_MIN_WORKERS``
+            and ``_MAX_WORKERS``), else 1 and 1024.
         strategy: ``"ddp"`` or ``"zero2"`` inside.
         checkpoint_dir: where to checkpoint and resume from (needed to resume).
         checkpoint_every: steps between periodic checkpoints (None: only on a
@@ -59,8 +67,9 @@ class ElasticOptimizer:
         batch_policy: see :data:`BATCH_POLICIES`.
         reference_workers: the worker count the base learning rate is meant for
             (``scale-lr`` only): lr = base lr x workers / reference_workers.
-        exit_on_signal: after the checkpoint a signal asked for, exit the process
-            with ``EXIT_STOPPED`` (75, what the agent expects); False returns instead.
+        exit_on_signal: True: after the checkpoint a signal asked for, exit the
+            process with ``EXIT_STOPPED`` (75, what the agent expects). False
+            (the default): return; the script exits with :attr:`exit_code`.
         **options: passed to the inner strategy (bucket_mb, max_grad_norm, ...).
             For runs that must agree bit for bit across restarts with ZeRO-2, pin
             ``reduce_method`` ("reduce_scatter" or "allreduce"): "auto" chooses by
@@ -73,12 +82,18 @@ class ElasticOptimizer:
     """
 
     def __init__(self, optimizer: Any, config: ShardingConfiguration | None = None,
-                 min_workers: int = 1, max_workers: int = 1024, *, strategy: str = "ddp",
+                 min_workers: int | None = None, max_workers: int | None = None, *,
+                 strategy: str = "ddp",
                  checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
                  keep: int = 3, batch_policy: str = "fixed-global",
-                 reference_workers: int = 1, exit_on_signal: bool = True,
+                 reference_workers: int = 1, exit_on_signal: bool = False,
                  **options: Any) -> None:
         config = config if config is not None else ShardingConfiguration()
+        # Under `mpishard run` the agent's --min-workers/--max-workers are the defaults.
+        if min_workers is None:
+            min_workers = int(os.environ.get("MPISHARD_ELASTIC_MIN_WORKERS", "1"))
+        if max_workers is None:
+            max_workers = int(os.environ.get("MPISHARD_ELASTIC_MAX_WORKERS", "1024"))
         problem = None
         if strategy not in _STRATEGIES:
             problem = f"strategy must be one of {', '.join(_STRATEGIES)}, got {strategy!r}"
@@ -111,6 +126,7 @@ class ElasticOptimizer:
         self.recovery_seconds: float | None = None
         self.stop_reason: str | None = None
         self._stop = StopRequest()
+        self._new_pass = False
 
     # --- what the issue names ------------------------------------------------------
     @property
@@ -129,6 +145,19 @@ class ElasticOptimizer:
     def step_count(self) -> int:
         return self.inner.step_count
 
+    @property
+    def exit_code(self) -> int:
+        """What the worker process should exit with: :data:`~mpishard.exitcodes.EXIT_STOPPED`
+        (75: checkpointed, relaunch me) after a stop a signal or :meth:`request_stop`
+        asked for, else 0."""
+        return EXIT_STOPPED if self.stop_reason is not None else 0
+
+    def new_pass(self) -> None:
+        """Start a new pass over the data at the next :meth:`optimize` (after it
+        has resumed from the newest checkpoint): epoch 0 of all the data, the
+        seed and shuffle it is given, ``epochs`` counted from there. Local."""
+        self._new_pass = True
+
     def request_stop(self, reason: str = "resize") -> None:
         """Checkpoint and stop at the next step boundary (what SIGUSR1 does)."""
         self._stop.request(reason)
@@ -140,26 +169,33 @@ class ElasticOptimizer:
         return self.manager.save(model, self.inner)
 
     # --- training -------------------------------------------------------------------
-    def global_batch(self, batch_size: int) -> int:
-        """The global batch at the current size under the batch policy."""
-        if self.batch_policy == "fixed-global":
+    def global_batch(self, batch_size: int | None) -> int | None:
+        """The global batch at the current size under the batch policy (None:
+        a stream's, whatever its batches hold)."""
+        if self.batch_policy == "fixed-global" or batch_size is None:
             return batch_size
         return batch_size * self.current_workers
 
-    def optimize(self, model: Any, data: Any, epochs: int, batch_size: int, *,
-                 seed: int = 0, callback: Callable[[int, float], Any] | None = None,
+    def optimize(self, model: Any, data: Any, epochs: int | None = None,
+                 batch_size: int | None = None, *,
+                 seed: int | None = None, callback: Callable[[int, float], Any] | None = None,
                  **options: Any) -> TrainResult:
         """Train until ``epochs`` epochs are done in total (counting from epoch 0,
         as every ``optimize()``), resuming from the newest checkpoint in
         ``checkpoint_dir`` when there is one.
 
-        ``batch_size``: the global batch (``fixed-global``) or each worker's
-        batch (``scale-lr``). ``callback(step, loss)`` runs after every step
-        (returning True stops, without exiting). ``options`` go to
-        :func:`~mpishard.train.run_training`. After a stop asked for by a signal
-        or :meth:`request_stop` the process exits with
-        :data:`~mpishard.exitcodes.EXIT_STOPPED` (unless ``exit_on_signal`` is
-        False). Collective over the world.
+        ``data``, ``seed``, ``callback(step, loss)`` and the rules for a
+        restored data position are those of every strategy's ``optimize()``
+        (:meth:`~mpishard.train.Trainable.optimize`). ``batch_size``: the global
+        batch (``fixed-global``) or each worker's batch (``scale-lr``, where the
+        global batch follows the worker count without a warning); for a
+        :class:`~mpishard.data.BatchStream`, ``epochs`` and ``batch_size`` are
+        None and a relaunched worker's stream is placed at the checkpoint's
+        batch count (``first=``, :mod:`mpishard.data.stream`). ``options``
+        go to :func:`~mpishard.train.run_training`. After a stop asked for by a
+        signal or :meth:`request_stop` it returns (``result.stopped``,
+        :attr:`stop_reason`; :attr:`exit_code` is 75), or exits the process with
+        that code when ``exit_on_signal`` is True. Collective over the world.
         """
         inner = self.inner
         if inner.model is not model:
@@ -167,6 +203,8 @@ class ElasticOptimizer:
         if self.manager is not None:
             info = self.manager.load_latest(model, inner)
             self.resumed_from = info.path if info is not None else None
+        if self._new_pass:
+            inner.data_position, self._new_pass = None, False
         if self.batch_policy == "scale-lr":
             inner.optimizer.lr = self.base_lr * self.current_workers / self.reference_workers
         failed_at = os.environ.get("MPISHARD_ELASTIC_FAILED_AT")
@@ -184,8 +222,12 @@ class ElasticOptimizer:
             result = run_training(inner, model, data, epochs, self.global_batch(batch_size),
                                   seed=seed, callback=after_step, stop=self._stop,
                                   checkpoints=self.manager,
-                                  checkpoint_every=self.checkpoint_every or 0, **options)
-        if result.stopped not in (None, "callback", "max_steps"):
+                                  checkpoint_every=self.checkpoint_every or 0,
+                                  batch_size_may_change=self.batch_policy == "scale-lr",
+                                  **options)
+        self._stop.received = None   # consumed: the next optimize() trains again
+        self.stop_reason = None
+        if result.stopped not in (None, "callback", "max_steps", "exhausted"):
             self.stop_reason = _REASONS.get(result.stopped, result.stopped)
             if self.exit_on_signal:
                 sys.stdout.flush()

@@ -15,6 +15,23 @@ with ``epochs=3`` does the rest of epoch 1 and epoch 2, and a second
 ``optimize(epochs=3)`` after a complete first one does nothing. Every entry
 point (``optimize()`` of each strategy, ``ElasticOptimizer``, ``mpishard
 train``) follows this rule, so the same command resumes a job where it stopped.
+``new_pass()`` (of a strategy) forgets the data position: the next call starts
+at epoch 0 with its own seed and shuffle.
+
+**The data position wins.** A call that continues a position (restored from a
+checkpoint, or left by an earlier call) goes on with the position's seed and
+shuffle; a ``seed``, ``shuffle`` or ``batch_size`` passed that differs from it
+is reported once, on rank 0 (:class:`~mpishard.data.DataPositionWarning`),
+saying what is used. **Data may grow** between calls (never shrink): each
+epoch covers the samples present when it starts (:mod:`mpishard.data.sampler`).
+
+**A stream** (:class:`~mpishard.data.BatchStream`) has no epochs: one step
+per global batch, in the order they come, until the iterator ends
+(``result.stopped == "exhausted"``), ``max_steps`` or a stop. A batch is read
+only when its step is about to run (never one ahead, so a stop loses none),
+and the data position counts the batches (``batches``), so a checkpoint
+resumes the stream exactly (:mod:`mpishard.data.stream` says how a restarted
+stream is placed).
 """
 
 from __future__ import annotations
@@ -23,11 +40,21 @@ import datetime
 import numbers
 import sys
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
-from ..data import ArrayDataset, ShardedSampler, rank_rows, split_batch
-from ..protocols import Dataset
+from ..data import (
+    ArrayDataset,
+    BatchStream,
+    DataPositionWarning,
+    SamplerState,
+    ShardedSampler,
+    position_conflicts,
+    rank_rows,
+    split_batch,
+)
+from ..protocols import CollectiveDataset, Dataset
 from .evaluate import evaluate
 from .progress import Metrics, clock, progress_bar
 from .result import TrainResult
@@ -36,8 +63,9 @@ from .signals import StopRequest
 __all__ = ["run_training"]
 
 
-def run_training(strategy: Any, model: Any, data: Any, epochs: int, batch_size: int, *,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = True,
+def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None,
+                 batch_size: int | None = None, *,
+                 shuffle: bool | None = None, seed: int | None = None, drop_last: bool = True,
                  callback: Callable[[int, float], Any] | None = None,
                  stop: StopRequest | None = None, max_steps: int | None = None,
                  checkpoints: Any = None, checkpoint_every: int = 0,
@@ -45,23 +73,32 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int, batch_size: 
                  metrics_path: str | None = None, append_metrics: bool = False,
                  progress: bool = False, out: TextIO | None = None, log_every: int = 10,
                  print_every: int = 0, label: str = "train",
-                 start_record: dict[str, Any] | None = None) -> TrainResult:
+                 start_record: dict[str, Any] | None = None,
+                 batch_size_may_change: bool = False) -> TrainResult:
     """Train ``model`` with ``strategy`` until ``epochs`` epochs are complete in
-    total (see the module docstring), ``max_steps`` is reached, or a stop.
-    Collective over ``strategy.config.world``.
+    total (see the module docstring), a stream ends, ``max_steps`` is reached,
+    or a stop. Collective over ``strategy.config.world``.
 
     Args:
         strategy: a parallel-core strategy (``attach``, ``backward``, ``step``,
             ``data_position``); the model is attached if it is not yet.
-        data: a :class:`~mpishard.protocols.Dataset` or an ``(inputs, targets)``
-            pair of arrays (wrapped in :class:`~mpishard.data.ArrayDataset`).
-            Every rank passes the same data; each reads only its rows.
-        batch_size: the global batch, split evenly over the data-parallel ranks
+        data: what ``optimize()`` takes (:class:`~mpishard.train.Trainable`):
+            an ``(inputs, targets)`` pair (wrapped in
+            :class:`~mpishard.data.ArrayDataset`), a
+            :class:`~mpishard.protocols.Dataset` (every rank passes the same
+            data and reads only its rows) or a
+            :class:`~mpishard.protocols.CollectiveDataset` over ``strategy.dp``
+            (:class:`~mpishard.data.LocalDataset`: rows spread over the ranks),
+            or a :class:`~mpishard.data.BatchStream` (global batches as they
+            come, one step each; ``epochs``, ``seed`` and ``shuffle`` None).
+        batch_size: the global batch (a stream: None, any size; or the size
+            every batch must have), split evenly over the data-parallel ranks
             and then into ``accumulation_steps`` micro-batches (and a pipelined
             model's micro-batches). The shuffle of an epoch depends on
             ``(seed, epoch)`` only, so any world size sees the same batches.
-        shuffle, seed: the sampler's; a strategy with a ``data_position`` (one
-            restored from a checkpoint, or trained before) keeps its own.
+        shuffle, seed: the sampler's (None: True and 0); a strategy with a
+            ``data_position`` (one restored from a checkpoint, or trained
+            before) keeps its own, with a warning when they differ.
         drop_last: ``True`` drops the last incomplete batch of each epoch (every
             step sees exactly ``batch_size`` samples); ``False`` trains it as a
             short last step, its rows split over the ranks as evenly as possible
@@ -81,46 +118,48 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int, batch_size: 
         progress: a tqdm bar on rank 0. print_every: an epoch line on rank 0
             every that many epochs (and the first and last); 0: none.
         start_record: written as the ``start`` metrics event, when given.
+        batch_size_may_change: no warning when ``batch_size`` differs from the
+            position's (``ElasticOptimizer`` under ``scale-lr``).
 
     Raises:
         ValueError: on every rank: ``batch_size`` does not split over the ranks
-            and micro-batches, exceeds the dataset, or the data position was
-            made for another number of samples.
+            and micro-batches or exceeds the dataset; the data has fewer samples
+            than the data position's epoch covers, or the ranks disagree on its
+            length; a collective dataset over another group than ``strategy.dp``;
+            a stream's batches that the ranks disagree on
+            (:mod:`mpishard.data.stream`); a stream continuing a dataset's
+            position or the other way round (call ``new_pass()``).
     """
     world = strategy.config.world
     rank0 = world.rank == 0
     if strategy.model is not model:
         strategy.attach(model)
-    dataset = data if isinstance(data, Dataset) else ArrayDataset(*data)
     dp = strategy.dp
     micro = strategy.accumulation_steps
-    problem, sampler, split = None, None, None
-    try:
-        # A pipelined model cuts each micro-batch again into its own micro-batches.
-        pipeline = getattr(model, "micro_batches", 1)
-        split = split_batch(batch_size, dp.size, micro * pipeline)
-        if not drop_last and pipeline > 1:
-            raise ValueError("drop_last=False is not available for a pipelined model "
-                             f"({pipeline} micro-batches): its micro-batches must be equal")
-        if not isinstance(epochs, numbers.Integral) or epochs < 0:
-            raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
-        sampler = _sampler(strategy.data_position, len(dataset), batch_size, seed, shuffle,
-                           drop_last)
-    except ValueError as exc:
-        problem = str(exc)
-    world.agree(problem, ValueError)
-    assert sampler is not None and split is not None
-    position = strategy.data_position = sampler.position()
-    state = sampler.state
-    local = split.local_size
-    x_full, y_full = dataset.buffers(local, strategy.xp, model.params.dtype)
+    # A pipelined model cuts each micro-batch again into its own micro-batches.
+    pipeline = getattr(model, "micro_batches", 1)
+    stream = data if isinstance(data, BatchStream) else None
+    if stream is not None:
+        sampler = None
+        state = SamplerState()   # a stream has no epochs: epoch 0 throughout
+        position = strategy.data_position = _open_stream(
+            strategy, stream, epochs, batch_size, seed, shuffle)
+        per_epoch = None
+    else:
+        dataset, collective, sampler, split = _open_dataset(
+            strategy, data, epochs, batch_size, seed, shuffle, drop_last,
+            batch_size_may_change, micro * pipeline)
+        position = strategy.data_position = sampler.position()
+        state = sampler.state
+        local = split.local_size
+        x_full, y_full = dataset.buffers(local, strategy.xp, model.params.dtype)
+        per_epoch = sampler.batches_per_epoch
 
     start_step = strategy.step_count
     result = TrainResult(first_step=start_step, last_step=start_step)
-    per_epoch = sampler.batches_per_epoch
-    total_steps = epochs * per_epoch
+    total_steps = None if per_epoch is None else epochs * per_epoch   # a stream: unknown
     if max_steps is not None:
-        total_steps = min(total_steps, max_steps)
+        total_steps = max_steps if total_steps is None else min(total_steps, max_steps)
     out = out or sys.stdout
     metrics = Metrics(metrics_path if rank0 else None, append_metrics)
     bar = progress_bar(total_steps, start_step, label, out) if rank0 and progress else None
@@ -146,13 +185,26 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int, batch_size: 
     try:
         if max_steps is not None and strategy.step_count >= max_steps:
             result.stopped = "max_steps"
-        while result.stopped is None and state.epoch < epochs:
+        while result.stopped is None and (stream is not None or state.epoch < epochs):
             # --- one step: this rank's rows of the global batch -----------------
-            rows = sampler.current_batch_size()
-            lo, hi = rank_rows(rows, dp.size, dp.rank)
-            n = hi - lo
-            x, y = (x_full, y_full) if n == local else (x_full[:n], y_full[:n])
-            dataset.gather(sampler.batch_indices(lo, hi), x, y)
+            if stream is not None:   # read only now: a stop above reads no batch
+                got = stream.read(world, dp, strategy.xp, model.params.dtype,
+                                  batch_size=batch_size,
+                                  equal_parts=micro * pipeline if pipeline > 1 else 1)
+                if got is None:
+                    result.stopped = "exhausted"
+                    break
+                x, y, lo, rows = got
+                n = len(x)
+            else:
+                rows = sampler.current_batch_size()
+                lo, hi = rank_rows(rows, dp.size, dp.rank)
+                n = hi - lo
+                x, y = (x_full, y_full) if n == local else (x_full[:n], y_full[:n])
+                if collective:   # the rows come from the ranks that hold them
+                    dataset.gather_batch(sampler.batch_indices(0, rows), x, y)
+                else:
+                    dataset.gather(sampler.batch_indices(lo, hi), x, y)
             for k in range(micro):
                 # Micro-batches as even as the ranks' shares; backward() weights each
                 # by its rows, so a short, unequal last batch is still its exact mean.
@@ -160,9 +212,16 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int, batch_size: 
                 strategy.backward(x[a:b], y[a:b], batch_start=lo + a, global_rows=rows)
             loss = strategy.step()
             epoch_before = state.epoch
-            sampler.advance()
-            position["epoch"] = state.epoch
-            position["samples_consumed"] = state.samples_consumed
+            if stream is not None:
+                position["batches"] = stream.index
+                position["samples_consumed"] += rows
+                position["num_samples"] = position["samples_consumed"]
+                position["batch_size"] = rows
+            else:
+                sampler.advance()
+                position["epoch"] = state.epoch
+                position["samples_consumed"] = state.samples_consumed
+                position["num_samples"] = sampler.num_samples   # grown data joins at an epoch
             step = strategy.step_count
             result.losses.append(loss)
             result.steps += 1
@@ -243,16 +302,116 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int, batch_size: 
     return result
 
 
-def _sampler(position: dict[str, int] | None, num_samples: int, batch_size: int, seed: int,
-             shuffle: bool, drop_last: bool) -> ShardedSampler:
-    """A sampler at the strategy's data position, or at the start of epoch 0."""
+def _open_dataset(strategy: Any, data: Any, epochs: Any, batch_size: Any, seed: int | None,
+                  shuffle: bool | None, drop_last: bool, batch_size_may_change: bool,
+                  parts: int) -> tuple[Any, bool, ShardedSampler, Any]:
+    """The dataset (an ``(x, y)`` pair wrapped), whether it is collective, the
+    sampler at the strategy's data position, and the batch split, checked on
+    every rank (warnings on rank 0). Collective over the world."""
+    world, dp = strategy.config.world, strategy.dp
+    collective = isinstance(data, CollectiveDataset)
+    dataset, problem = data, None
+    if isinstance(data, Iterator):   # unpacking it would consume a live stream
+        problem = (f"data is an iterator ({type(data).__name__}): wrap an iterator of "
+                   f"(inputs, targets) batches in mpishard.data.BatchStream")
+    elif not (collective or isinstance(data, Dataset)):
+        try:   # an (inputs, targets) pair; the same check on every rank
+            dataset = ArrayDataset(*data)
+        except (TypeError, ValueError) as exc:
+            problem = (f"expecting an (inputs, targets) pair of arrays, a Dataset, a "
+                       f"LocalDataset or a BatchStream: {exc}")
+    world.agree(problem, ValueError)
+    problem, sampler, split = None, None, None
+    # Every rank must see the same number of samples (a stream appended to on
+    # one rank only would otherwise train different batches on each).
+    lengths = (world.allreduce(len(dataset), op="min"), world.allreduce(len(dataset), op="max"))
+    held = strategy.data_position
+    try:
+        if epochs is None or batch_size is None:
+            raise ValueError(f"training on a {type(dataset).__name__} needs epochs and "
+                             f"batch_size, got epochs={epochs!r}, batch_size={batch_size!r}")
+        if held is not None and "batches" in held:
+            raise ValueError(f"the data position is a stream's ({held['batches']} batches "
+                             f"read): call new_pass() to train on a dataset")
+        if lengths[0] != lengths[1]:
+            raise ValueError(f"the ranks hold data of different lengths: {len(dataset)} "
+                             f"samples here, between {lengths[0]} and {lengths[1]} over the "
+                             f"world; every rank passes the same data (or a LocalDataset)")
+        if collective and getattr(dataset.comm, "comm", None) is not dp.comm:
+            raise ValueError(f"{type(dataset).__name__} exchanges rows over the "
+                             f"{dataset.comm.name} group, but the strategy's data-parallel "
+                             f"group is another: build it with the strategy's configuration")
+        if (collective and held is not None and int(held["samples_consumed"]) > 0
+                and int(held.get("num_samples", len(dataset))) != len(dataset)):
+            # Rows added on any rank but the last shift the union's indices: the
+            # rest of the epoch would repeat some samples and skip others.
+            raise ValueError(f"the rank-local data changed from {held['num_samples']} to "
+                             f"{len(dataset)} samples in the middle of epoch "
+                             f"{held['epoch']}: finish the epoch on the rows it started "
+                             f"with, or call new_pass()")
+        split = split_batch(batch_size, dp.size, parts)
+        if not drop_last and parts > strategy.accumulation_steps:
+            raise ValueError("drop_last=False is not available for a pipelined model "
+                             f"({parts // strategy.accumulation_steps} micro-batches): its "
+                             f"micro-batches must be equal")
+        if not isinstance(epochs, numbers.Integral) or epochs < 0:
+            raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
+        sampler = _sampler(held, len(dataset), batch_size, seed, shuffle, drop_last)
+    except ValueError as exc:
+        problem = str(exc)
+    world.agree(problem, ValueError)
+    if held is not None and world.rank == 0:
+        for text in position_conflicts(held, seed=seed, shuffle=shuffle,
+                                       batch_size=None if batch_size_may_change else batch_size):
+            warnings.warn(f"optimize(): {text}", DataPositionWarning, stacklevel=4)
+    assert sampler is not None and split is not None
+    return dataset, collective, sampler, split
+
+
+def _open_stream(strategy: Any, stream: BatchStream, epochs: Any, batch_size: Any,
+                 seed: int | None, shuffle: bool | None) -> dict[str, int]:
+    """The data position of a stream placed at the strategy's (batches before it
+    skipped, or none): ``batches`` (the index of the next batch) and
+    ``samples_consumed`` (the rows read before it), the other keys of a
+    position (``epoch`` 0, ``num_samples`` = ``samples_consumed``, ``seed``
+    and ``shuffle`` 0, ``batch_size`` the last batch's rows) for checkpoints.
+    Collective over the world."""
+    world = strategy.config.world
+    held, problem = strategy.data_position, None
+    if epochs is not None:
+        problem = (f"a BatchStream has no epochs: it trains one step per batch until it "
+                   f"ends (or max_steps, a stop); got epochs={epochs!r}, expecting None")
+    elif seed is not None or shuffle is not None:
+        problem = (f"a BatchStream yields its batches in its own order: seed and shuffle "
+                   f"do not apply (got seed={seed!r}, shuffle={shuffle!r})")
+    elif batch_size is not None and (not isinstance(batch_size, numbers.Integral)
+                                     or batch_size < 1):
+        problem = f"batch_size must be a positive integer or None, got {batch_size!r}"
+    elif held is not None and "batches" not in held:
+        problem = (f"the data position is a dataset's (epoch {held['epoch']}, "
+                   f"{held['samples_consumed']} samples in): call new_pass() to train on "
+                   f"a stream")
+    world.agree(problem, ValueError)
+    at = None if held is None else int(held["batches"])
+    index = stream.start(at, world)
+    consumed = 0 if held is None else int(held["samples_consumed"])
+    last = int(held["batch_size"]) if held is not None else int(batch_size or 0)
+    return {"epoch": 0, "samples_consumed": consumed, "seed": 0, "batch_size": last,
+            "num_samples": consumed, "shuffle": 0, "batches": index}
+
+
+def _sampler(position: dict[str, int] | None, num_samples: int, batch_size: int,
+             seed: int | None, shuffle: bool | None, drop_last: bool) -> ShardedSampler:
+    """A sampler at the strategy's data position (its epoch finishing over the
+    samples it started with; more samples join at the next epoch), or at the
+    start of epoch 0."""
+    seed = 0 if seed is None else seed
+    shuffle = True if shuffle is None else shuffle
     if position is None:
         return ShardedSampler(num_samples, batch_size, seed=seed, shuffle=shuffle,
                               drop_last=drop_last)
-    if int(position["num_samples"]) != num_samples:
-        raise ValueError(f"the data has {num_samples} samples but the data position "
-                         f"(restored from a checkpoint?) counts {position['num_samples']}")
     if batch_size > num_samples:
         raise ValueError(f"global batch size {batch_size} is larger than the dataset "
                          f"({num_samples} samples)")
-    return ShardedSampler.from_position(position, batch_size, drop_last)
+    return ShardedSampler.from_position(position, batch_size, drop_last, seed=seed,
+                                        shuffle=shuffle, num_samples=num_samples)
