@@ -1,6 +1,6 @@
 """Every Python block of README.md runs as written.
 
-The conventions, which README.md states under "Examples in this README":
+The conventions, which README.md states under "Using the library":
 
 * Each ```` ```python ```` block is a program, run in a fresh temporary folder.
 * A block whose first line is ``# continues the block above`` is appended to the
