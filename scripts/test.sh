@@ -7,7 +7,8 @@
 #      the tests that start their own mpirun), with plain pytest;
 #   2. the MPI tests under `mpirun -n N python -m pytest --with-mpi` for N = 1, 2, 4,
 #      and the model-parallel ones at N = 8 (the tp2-pp2-dp2 layout);
-#   3. tests/test_ulfm.py in the fault-tolerant runtime (.venv-ft, Open MPI 5 + ULFM).
+#   3. tests/test_ulfm.py and tests/test_ulfm_train.py in the fault-tolerant runtime
+#      (.venv-ft, Open MPI 5 + ULFM).
 # Extra arguments go to every pytest call (for example -x or -k ddp).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -47,14 +48,14 @@ timeout --kill-after=30 1500 mpirun $MPISHARD_MPIRUN_FLAGS -n 8 \
   "$py" -m pytest -q -p no:cacheprovider --color=no --with-mpi -m mpi "$@" tests/test_hybrid.py \
   tests/test_tensor_parallel.py
 # The fault-tolerant runtime (Open MPI 5 with ULFM, in .venv-ft; scripts/setup.sh --ft):
-# tests/test_ulfm.py starts its own `mpirun --with-ft ulfm` jobs there. Where that
+# tests/test_ulfm*.py start their own `mpirun --with-ft ulfm` jobs there. Where that
 # environment cannot be made, the tests run in the main one and skip, saying why.
-echo "== fault-tolerant runtime: tests/test_ulfm.py under .venv-ft (mpirun --with-ft ulfm)"
+echo "== fault-tolerant runtime: tests/test_ulfm*.py under .venv-ft (mpirun --with-ft ulfm)"
 ftpy=${MPISHARD_FT_VENV:-$repo/.venv-ft}/bin/python
 if ! bash scripts/setup.sh --ft; then
-  echo "== the fault-tolerant runtime could not be made: tests/test_ulfm.py skips"
+  echo "== the fault-tolerant runtime could not be made: tests/test_ulfm*.py skip"
   ftpy=$py
 fi
 timeout --kill-after=30 900 "$ftpy" -m pytest -q -p no:cacheprovider --color=no -rs "$@" \
-  tests/test_ulfm.py
+  tests/test_ulfm.py tests/test_ulfm_train.py
 echo "== all test runs passed"

@@ -96,7 +96,7 @@ def main() -> None:
             time.sleep(args.slow_after_restart)
 
     def write(extra: dict) -> None:
-        if comm.rank == 0:
+        if opt.config.world.rank == 0:   # the survivors' rank 0 after a lost rank
             with open(args.events, "a") as f:
                 f.write(json.dumps({**record, **extra}) + "\n")
 
@@ -105,11 +105,16 @@ def main() -> None:
                           callback=after_step)
     write({"final_step": opt.step_count, "stopped": result.stopped,
            "reason": opt.stop_reason, "resumed_from": opt.resumed_from,
-           "recovery_seconds": opt.recovery_seconds})
-    if result.stopped:
-        raise SystemExit(EXIT_STOPPED)   # checkpointed, relaunch me
-    if args.out and comm.rank == 0:
+           "recovery_seconds": opt.recovery_seconds, "recoveries": result.recoveries,
+           "world_size": opt.config.world.size})
+    code = EXIT_STOPPED if result.stopped else 0   # checkpointed, relaunch me
+    if not code and args.out and opt.config.world.rank == 0:
         np.save(args.out, model.params)
+    if result.recoveries:   # lost a rank (ULFM): MPI_Finalize may wait for it forever
+        from mpishard.comm import ulfm
+
+        ulfm.leave(code)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ from typing import Any
 from mpi4py import MPI
 
 __all__ = ["STACK_SIGNAL", "JobRecord", "describe_members", "diagnose", "evict", "job",
-           "note_abort", "note_after", "note_wait", "process_state", "register", "unnote_wait"]
+           "forget", "note_abort", "note_after", "note_wait", "process_state", "register",
+           "unnote_wait"]
 
 #: The signal that makes a registered rank write its Python stack. A real-time
 #: signal where there is one: SIGUSR1 is the elastic agent's "checkpoint and stop"
@@ -131,6 +132,12 @@ def note_abort(message: str) -> None:
             _write(_job.path("abort", _job.me), {"message": message[:500], "time": time.time()})
         except OSError:
             pass
+
+
+def forget() -> None:
+    """Remove this rank's records now (an exit that skips ``atexit``:
+    :func:`mpishard.comm.ulfm.leave`). Local."""
+    _forget()
 
 
 def _forget() -> None:

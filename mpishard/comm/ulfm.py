@@ -38,9 +38,11 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from ..errors import MpiShardError
+from . import stuck
 from .communicator import FlatComm
 
-__all__ = ["FAILURE_CLASSES", "MODES", "Recovery", "available", "enable", "is_failure", "leave",
+__all__ = ["FAILURE_CLASSES", "MODES", "Recovery", "available", "enable", "is_failure", "is_on",
+           "leave",
            "recover", "wanted"]
 
 #: The error classes that mean "a rank of this communicator failed" (or another
@@ -101,6 +103,12 @@ def enable(comms: Iterable[FlatComm], *, evict_stuck: bool = False) -> None:
     for comm in comms:
         comm.comm.Set_errhandler(MPI.ERRORS_RETURN)
         comm.evict_stuck = evict_stuck
+        comm.fault_tolerant = True   # the training loop recovers in place (is_on)
+
+
+def is_on(comm: FlatComm) -> bool:
+    """Whether :func:`enable` turned ULFM error handling on for ``comm``. Local."""
+    return bool(getattr(comm, "fault_tolerant", False))
 
 
 def is_failure(exc: BaseException) -> bool:
@@ -177,6 +185,7 @@ def leave(code: int = 0) -> None:
     process that ends so is not an error: ``mpirun`` still exits 0. Flushes
     ``sys.stdout`` and ``sys.stderr`` first; Python's ``atexit`` handlers do not run.
     """
+    stuck.forget()   # an exit, not a death, for the relaunch agent
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -78,6 +78,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("reproducible", "bool", False, "bitwise-reproducible training: the same "
            "parameters and losses at any data-parallel size, strategy and pipeline split "
            "(slower; the global batch is cut into gcd(batch, 24) units)", _G_PAR),
+    Option("fault_tolerance", "str", "auto", "survive a lost rank in place: ulfm (an error "
+           "where the job is not under Open MPI 5's mpirun --with-ft ulfm), off, or auto "
+           "(ulfm where available); ddp and zero2 go on over the survivors, hybrid "
+           "layouts exit 75 for mpishard run to relaunch", _G_PAR, ("auto", "ulfm", "off")),
     Option("d_model", "int", 64, "GPT width", _G_MODEL),
     Option("heads", "int", 4, "GPT attention heads", _G_MODEL),
     Option("layers", "int", 2, "GPT transformer blocks", _G_MODEL),
@@ -143,6 +147,7 @@ class Settings:
     schedule: str
     accumulation_steps: int
     reproducible: bool
+    fault_tolerance: str
     d_model: int
     heads: int
     layers: int

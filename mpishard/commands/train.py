@@ -101,20 +101,35 @@ def run_given(given: dict[str, Any]) -> int:
         runs = plan_runs(given, comm.size)
     except UsageError as exc:
         return _usage(comm, exc)
+    lost = False   # a rank was lost, and the survivors went on (fault tolerance)
     with StopRequest() as stop:
         for settings in runs:
             try:
                 run = _setup(settings, comm)
             except UsageError as exc:
-                return _usage(comm, exc)
+                return _ended(comm, _usage(comm, exc), lost)
             try:
                 report = _train(run, stop)
             finally:
                 for close in run.closers:
                     close()
+            if report.recoveries:   # the next run starts over the survivors
+                lost = True
+                comm = from_comm(run.strategy.config.comm, "world")
             if report.stopped in _SIGNALS:
-                return EXIT_STOPPED
-    return 0
+                return _ended(comm, EXIT_STOPPED, lost)
+    return _ended(comm, 0, lost)
+
+
+def _ended(comm: FlatComm, code: int, lost: bool) -> int:
+    """``code``, or after a lost rank the end of the process with it (no
+    ``MPI_Finalize``, which may wait for the dead rank: :func:`mpishard.comm.ulfm.leave`)."""
+    if lost:
+        from ..comm import ulfm
+
+        comm.barrier()   # every survivor has printed its part
+        ulfm.leave(code)
+    return code
 
 
 def _usage(comm: FlatComm, exc: UsageError) -> int:
@@ -179,7 +194,8 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
     def build() -> tuple[Any, Any, Any]:
         config = ShardingConfiguration(comm, tensor_parallel_size=s.tp,
                                        pipeline_parallel_size=s.pp, data_parallel_size=s.dp,
-                                       reproducible=s.reproducible)
+                                       reproducible=s.reproducible,
+                                       fault_tolerance=s.fault_tolerance)
         model = _model(s, config, dtype, n_in, n_out)
         return config, model, _strategy(s, config, model, steps, warmup)
 
@@ -382,6 +398,8 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
                       "world_size": world.size, "dp": topo.dp, "tp": topo.tp,
                       "pp": topo.pp, "resumed_from": run.resumed_from,
                       "start_val_loss": start_val})
+    world = run.strategy.config.world   # the survivors' after a lost rank
+    rank0 = world.rank == 0
     run.strategy.verify_in_sync()
     memory = world.gather((peak_rss_bytes(), run.strategy.memory_report()["peak"]), root=0)
     if rank0:
@@ -415,6 +433,10 @@ def _summary(run: Run, report: TrainResult, start_val: float | None,
     parts.append(f"{report.steps} steps in {report.seconds:.1f} s, "
                  f"{report.samples_per_second:,.0f} samples/s")
     print(f"{head}: {', '.join(parts)}")
+    for rec in report.recoveries:
+        print(f"   recovered in place at step {rec['step']}: lost world rank(s) "
+              f"{', '.join(map(str, rec['lost_ranks']))}, went on with {rec['world_size']} "
+              f"({rec['seconds']:.2f} s)")
     rss = ", ".join(f"{r / mib:.0f}" for r, _ in memory)
     state = ", ".join(f"{t / mib:.2f}" for _, t in memory)
     print(f"   memory per rank, MiB: peak RSS {rss}; training state {state}")

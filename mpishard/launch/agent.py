@@ -203,6 +203,14 @@ class ElasticAgent:
         grace: seconds after a first death during which further deaths count as
             the same event (two workers killed at once), before the agent ends
             the survivors on its host.
+        fault_tolerance: ``"ulfm"``: start ``mpirun --with-ft ulfm`` (Open MPI 5,
+            the ``mpirun`` first on ``PATH``) and leave the survivors of a death
+            running: they go on in place (:func:`~mpishard.train.run_training`);
+            the agent only records a ``lost`` event, and relaunches when they
+            exit 75 (fewer than ``min_workers`` left, or a layout that cannot go
+            on in place) at ``min(n - lost, available)`` workers, or what the
+            slot source says if it was rewritten since. ``"off"`` (default):
+            a death ends the launch and the agent relaunches.
     """
 
     command: Sequence[str]
@@ -217,6 +225,7 @@ class ElasticAgent:
     poll: float = 0.1
     grace: float = 0.3
     out: TextIO = sys.stderr
+    fault_tolerance: str = "off"
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -228,6 +237,12 @@ class ElasticAgent:
             self.launcher = "srun" if os.environ.get("SLURM_JOB_ID") else "mpirun"
         if self.launcher not in ("mpirun", "srun"):
             raise ValueError(f"launcher must be mpirun, srun or auto, got {self.launcher!r}")
+        if self.fault_tolerance not in ("off", "ulfm"):
+            raise ValueError(f"fault_tolerance must be off or ulfm, got "
+                             f"{self.fault_tolerance!r}")
+        if self.fault_tolerance == "ulfm" and self.launcher != "mpirun":
+            raise ValueError("fault_tolerance 'ulfm' needs the mpirun launcher (Open MPI 5): "
+                             "fault tolerance is not supported under srun")
         self._rescan = False
         self._stop_signal: int | None = None
         self._stops = 0
@@ -261,6 +276,8 @@ class ElasticAgent:
             base = ["srun", "-n", str(workers), "--kill-on-bad-exit=1"]
         else:
             base = ["mpirun", "-n", str(workers)]
+            if self.fault_tolerance == "ulfm":
+                base += ["--with-ft", "ulfm"]
         return base + list(self.launcher_args) + list(self.command)
 
     def _start(self, workers: int, restarts: int, reason: str, died_at: float | None,
@@ -364,10 +381,18 @@ class ElasticAgent:
                 self._event("stopped", code=code, checkpoint=last_checkpoint(self.checkpoint_dir))
                 return code if code >= 0 else 128 - code
             if code == EXIT_STOPPED:
-                # The workers checkpointed for a resize (ours, or their own decision).
+                # The workers checkpointed for a resize (ours, or their own decision:
+                # under ULFM, survivors of a death that cannot go on in place).
                 resize_to = outcome["resize_to"]
-                target = resize_to if resize_to is not None else next_size(
-                    "slots", workers, self._available(), self.min_workers, self.max_workers)
+                lost = outcome["lost"]
+                if resize_to is not None:
+                    target = resize_to
+                elif lost and not self.slots.modified_since(outcome["died_at"]):
+                    target = next_size("failure", workers, self._available(),
+                                       self.min_workers, self.max_workers, lost=lost)
+                else:
+                    target = next_size("slots", workers, self._available(),
+                                       self.min_workers, self.max_workers)
                 if target < self.min_workers:
                     raise self._fail(f"resize to {target} worker(s) is below --min-workers "
                                      f"{self.min_workers}")
@@ -406,6 +431,13 @@ class ElasticAgent:
             time.sleep(self.poll)
             now = time.time()
             dead = watch.look()
+            if dead and self.fault_tolerance == "ulfm":
+                # The survivors go on in place: note the death, end nothing.
+                if outcome["died_at"] is None:
+                    outcome["died_at"] = seen_alive
+                outcome["lost"] = len(watch.dead)
+                self._event("lost", dead=sorted(dead), lost=outcome["lost"], in_place=True)
+                dead = set()
             if dead and noticed is None and not watch.software:
                 noticed = time.monotonic()
                 # The last look that saw every worker alive: the death came after it.

@@ -39,6 +39,10 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--checkpoint-dir", help="the workers' checkpoint folder (named when "
                                               "the job has to stop)")
     run.add_argument("--log", help="append one JSON line per event to this file")
+    run.add_argument("--fault-tolerance", default="off", choices=("off", "ulfm"),
+                     help="ulfm: mpirun --with-ft ulfm (Open MPI 5); a dead worker does not "
+                          "end the job, the survivors go on in place; relaunch only when they "
+                          "exit 75 (default off: relaunch on every death)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- the worker command")
     run.set_defaults(func=_run)
 
@@ -56,7 +60,8 @@ def _run(args: argparse.Namespace) -> int:
             slots=SlotSource(slots_file=args.slots_file, hostfile=args.hostfile,
                              fixed=args.workers),
             max_restarts=args.max_restarts, launcher=args.launcher,
-            launcher_args=launcher_args, checkpoint_dir=args.checkpoint_dir, log=args.log)
+            launcher_args=launcher_args, checkpoint_dir=args.checkpoint_dir, log=args.log,
+            fault_tolerance=args.fault_tolerance)
         return agent.run()
     except ValueError as exc:
         print(f"mpishard run: error: {exc}", file=sys.stderr)

@@ -196,6 +196,12 @@ class ElasticOptimizer:
         signal or :meth:`request_stop` it returns (``result.stopped``,
         :attr:`stop_reason`; :attr:`exit_code` is 75), or exits the process with
         that code when ``exit_on_signal`` is True. Collective over the world.
+
+        With fault tolerance on (``ShardingConfiguration(fault_tolerance=...)``
+        under ``mpirun --with-ft ulfm``), a rank that dies is recovered from in
+        place (``result.recoveries``; :func:`~mpishard.train.run_training`
+        says how); fewer survivors than ``min_workers`` checkpoint and end the
+        process with 75, one line saying why, for ``mpishard run`` to relaunch.
         """
         inner = self.inner
         if inner.model is not model:
@@ -224,7 +230,9 @@ class ElasticOptimizer:
                                   checkpoints=self.manager,
                                   checkpoint_every=self.checkpoint_every or 0,
                                   batch_size_may_change=self.batch_policy == "scale-lr",
-                                  **options)
+                                  min_workers=self.min_workers, **options)
+        # After a lost rank (fault tolerance on) the survivors' configuration.
+        self.config = inner.config
         self._stop.received = None   # consumed: the next optimize() trains again
         self.stop_reason = None
         if result.stopped not in (None, "callback", "max_steps", "exhausted"):

@@ -44,6 +44,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
+from ..comm import ulfm
 from ..data import (
     ArrayDataset,
     BatchStream,
@@ -54,6 +55,10 @@ from ..data import (
     rank_rows,
     split_batch,
 )
+from ..errors import MpiShardError
+from ..exitcodes import EXIT_STOPPED
+from ..parallel.recovery import ShardBuddy, recover_in_place, recoverable, shrink_only
+from ..parallel.zero2 import ZeRO2Optimizer
 from ..protocols import CollectiveDataset, Dataset
 from .evaluate import evaluate
 from .progress import Metrics, clock, progress_bar
@@ -74,7 +79,8 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
                  progress: bool = False, out: TextIO | None = None, log_every: int = 10,
                  print_every: int = 0, label: str = "train",
                  start_record: dict[str, Any] | None = None,
-                 batch_size_may_change: bool = False) -> TrainResult:
+                 batch_size_may_change: bool = False, min_workers: int = 1,
+                 buddy_copies: bool = True) -> TrainResult:
     """Train ``model`` with ``strategy`` until ``epochs`` epochs are complete in
     total (see the module docstring), a stream ends, ``max_steps`` is reached,
     or a stop. Collective over ``strategy.config.world``.
@@ -120,6 +126,32 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
         start_record: written as the ``start`` metrics event, when given.
         batch_size_may_change: no warning when ``batch_size`` differs from the
             position's (``ElasticOptimizer`` under ``scale-lr``).
+        min_workers: with fault tolerance on, fewer survivors than this after a
+            lost rank write a checkpoint and end the process with 75 (see below).
+        buddy_copies: with fault tolerance on and ZeRO-2, each rank keeps a copy
+            of its right neighbour's optimizer-state shard, refreshed after every
+            step (:class:`~mpishard.parallel.recovery.ShardBuddy`: one more
+            shard of memory, one neighbour exchange a step), so a lost shard is
+            recovered exactly; False: a lost shard rolls back to the newest checkpoint.
+
+    **A lost rank** (fault tolerance on: ``ShardingConfiguration(fault_tolerance=)``
+    under ``mpirun --with-ft ulfm``; :mod:`mpishard.comm.ulfm`): a rank that dies
+    anywhere in a step (forward, backward, a bucket's reduction, ZeRO-2's
+    Allgatherv, the step's Allreduce, the stop agreement, a checkpoint save, an
+    evaluation) makes the others' call fail; they rebuild the strategy over the
+    survivors (:func:`~mpishard.parallel.recovery.recover_in_place`: DDP from
+    the survivor with the newest step, nothing lost; ZeRO-2 from the buddy
+    copies, or rolled back to the newest checkpoint), re-split the global
+    batch over themselves and go on.
+    Each recovery is a ``recovered`` metrics record, a line on rank 0 (with
+    ``progress`` or ``print_every``) and an entry of ``result.recoveries``;
+    ``strategy.config`` is then the survivors' configuration. The process
+    ends instead (:func:`mpishard.comm.ulfm.leave`, status 75, one line on the
+    survivors' rank 0 saying why), so that ``mpishard run`` relaunches from a
+    checkpoint: fewer survivors than ``min_workers`` (after writing a
+    checkpoint), a layout with tensor or pipeline parallelism (the newest
+    checkpoint on disk is where it resumes), ZeRO-2 with neither a buddy copy of
+    the lost shard nor ``checkpoints``.
 
     Raises:
         ValueError: on every rank: ``batch_size`` does not split over the ranks
@@ -139,21 +171,35 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
     # A pipelined model cuts each micro-batch again into its own micro-batches.
     pipeline = getattr(model, "micro_batches", 1)
     stream = data if isinstance(data, BatchStream) else None
-    if stream is not None:
-        sampler = None
-        state = SamplerState()   # a stream has no epochs: epoch 0 throughout
-        position = strategy.data_position = _open_stream(
-            strategy, stream, epochs, batch_size, seed, shuffle)
-        per_epoch = None
-    else:
+    sampler: Any = None
+    dataset: Any = None
+    collective, local, x_full, y_full = False, 0, None, None
+
+    def open_data(may_change: bool) -> tuple[Any, dict[str, int]]:
+        """The sampler state and the data position, at the strategy's; this
+        rank's buffers for its rows. Collective over the world (again after a
+        recovery: the rows re-split over the survivors)."""
+        nonlocal sampler, dataset, collective, local, x_full, y_full
+        if stream is not None:
+            return SamplerState(), _open_stream(   # a stream has no epochs: epoch 0
+                strategy, stream, epochs, batch_size, seed, shuffle)
         dataset, collective, sampler, split = _open_dataset(
             strategy, data, epochs, batch_size, seed, shuffle, drop_last,
-            batch_size_may_change, micro * pipeline)
-        position = strategy.data_position = sampler.position()
-        state = sampler.state
+            may_change, micro * pipeline)
         local = split.local_size
         x_full, y_full = dataset.buffers(local, strategy.xp, model.params.dtype)
-        per_epoch = sampler.batches_per_epoch
+        return sampler.state, sampler.position()
+
+    state, position = open_data(batch_size_may_change)
+    strategy.data_position = position
+    per_epoch = None if stream is not None else sampler.batches_per_epoch
+    fault_tolerant = ulfm.is_on(world)
+
+    def new_buddy() -> ShardBuddy | None:
+        keep = fault_tolerant and buddy_copies and isinstance(strategy, ZeRO2Optimizer)
+        return ShardBuddy(strategy) if keep else None
+
+    buddy = new_buddy()
 
     start_step = strategy.step_count
     result = TrainResult(first_step=start_step, last_step=start_step)
@@ -165,6 +211,7 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
     bar = progress_bar(total_steps, start_step, label, out) if rank0 and progress else None
     saved_at = start_step   # a resumed run has its starting point on disk already
     last_val = (-1, float("nan"))
+    lost_note = ""   # the next epoch line says that a rank was lost during its epoch
 
     def save(reason: str) -> None:
         nonlocal saved_at
@@ -183,110 +230,173 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
     t_window, window_loss, window_steps, window_samples = t_start, 0.0, 0, 0
     t_epoch, epoch_loss, epoch_steps, epoch_samples = t_start, 0.0, 0, 0
     try:
-        if max_steps is not None and strategy.step_count >= max_steps:
-            result.stopped = "max_steps"
-        while result.stopped is None and (stream is not None or state.epoch < epochs):
-            # --- one step: this rank's rows of the global batch -----------------
-            if stream is not None:   # read only now: a stop above reads no batch
-                got = stream.read(world, dp, strategy.xp, model.params.dtype,
-                                  batch_size=batch_size,
-                                  equal_parts=micro * pipeline if pipeline > 1 else 1)
-                if got is None:
-                    result.stopped = "exhausted"
-                    break
-                x, y, lo, rows = got
-                n = len(x)
-            else:
-                rows = sampler.current_batch_size()
-                lo, hi = rank_rows(rows, dp.size, dp.rank)
-                n = hi - lo
-                x, y = (x_full, y_full) if n == local else (x_full[:n], y_full[:n])
-                if collective:   # the rows come from the ranks that hold them
-                    dataset.gather_batch(sampler.batch_indices(0, rows), x, y)
-                else:
-                    dataset.gather(sampler.batch_indices(lo, hi), x, y)
-            for k in range(micro):
-                # Micro-batches as even as the ranks' shares; backward() weights each
-                # by its rows, so a short, unequal last batch is still its exact mean.
-                a, b = k * n // micro, (k + 1) * n // micro
-                strategy.backward(x[a:b], y[a:b], batch_start=lo + a, global_rows=rows)
-            loss = strategy.step()
-            epoch_before = state.epoch
-            if stream is not None:
-                position["batches"] = stream.index
-                position["samples_consumed"] += rows
-                position["num_samples"] = position["samples_consumed"]
-                position["batch_size"] = rows
-            else:
-                sampler.advance()
-                position["epoch"] = state.epoch
-                position["samples_consumed"] = state.samples_consumed
-                position["num_samples"] = sampler.num_samples   # grown data joins at an epoch
-            step = strategy.step_count
-            result.losses.append(loss)
-            result.steps += 1
-            result.samples += rows
-            result.last_step = step
-
-            # --- what a step reports -------------------------------------------
-            epoch_loss += loss
-            epoch_steps += 1
-            epoch_samples += rows
-            if bar is not None:
-                elapsed = time.perf_counter() - t_start
-                bar.set_postfix_str(f"loss {loss:.4f}, {result.samples / elapsed:,.0f} "
-                                    f"samples/s", refresh=False)   # tqdm puts ", " before it
-                bar.update(1)
-            if metrics.active:
-                window_loss += loss
-                window_steps += 1
-                window_samples += rows
-                if window_steps >= log_every:
-                    now = time.perf_counter()
-                    metrics.record("step", step=step, epoch=state.epoch,
-                                   loss=window_loss / window_steps, lr=strategy.current_lr(),
-                                   samples_per_s=window_samples / max(now - t_window, 1e-9),
-                                   elapsed_s=now - t_start)
-                    t_window, window_loss, window_steps, window_samples = now, 0.0, 0, 0
-
-            # --- after the step: callback, checkpoint, stop ------------------------
-            wants_stop = callback is not None and bool(callback(step, loss))
-            if checkpoint_every and step % checkpoint_every == 0:
-                save("interval")
-            if stop is not None:
-                result.stopped = stop.agree(world, "callback" if wants_stop else None)
-            elif wants_stop:
-                result.stopped = "callback"
-            if result.stopped is None and max_steps is not None and step >= max_steps:
-                result.stopped = "max_steps"
-
-            # --- the end of an epoch ---------------------------------------------
-            if state.epoch != epoch_before:
-                now = time.perf_counter()
-                values: dict[str, Any] = {
-                    "epoch": state.epoch, "step": step, "loss": epoch_loss / epoch_steps,
-                    "samples_per_s": epoch_samples / max(now - t_epoch, 1e-9),
-                    "elapsed_s": now - t_start}
-                if validation is not None:
-                    values["val_loss"] = evaluate(model, *validation)
-                    last_val = (step, values["val_loss"])
-                metrics.record("epoch", **values)
-                if rank0 and print_every and (state.epoch % print_every == 0
-                                              or state.epoch in (1, epochs)):
-                    remaining = (total_steps - step) * (now - t_epoch) / epoch_steps
-                    val = f"  val {values['val_loss']:.4f}" if validation is not None else ""
-                    line = (f"{label} epoch {state.epoch:>3}/{epochs}  step {step:>5}  "
-                            f"loss {values['loss']:.4f}{val}  "
-                            f"{values['samples_per_s']:,.0f} samples/s  eta {clock(remaining)}")
-                    if bar is not None:
-                        bar.write(line, file=out)   # above the bar
+        while True:   # once, and again after each recovery from a lost rank
+            try:
+                if max_steps is not None and strategy.step_count >= max_steps:
+                    result.stopped = "max_steps"
+                while result.stopped is None and (stream is not None or state.epoch < epochs):
+                    # --- one step: this rank's rows of the global batch -----------------
+                    if stream is not None:   # read only now: a stop above reads no batch
+                        got = stream.read(world, dp, strategy.xp, model.params.dtype,
+                                          batch_size=batch_size,
+                                          equal_parts=micro * pipeline if pipeline > 1 else 1)
+                        if got is None:
+                            result.stopped = "exhausted"
+                            break
+                        x, y, lo, rows = got
+                        n = len(x)
                     else:
-                        out.write(line + "\n")
-                        out.flush()
-                t_epoch, epoch_loss, epoch_steps, epoch_samples = time.perf_counter(), 0.0, 0, 0
+                        rows = sampler.current_batch_size()
+                        lo, hi = rank_rows(rows, dp.size, dp.rank)
+                        n = hi - lo
+                        x, y = (x_full, y_full) if n == local else (x_full[:n], y_full[:n])
+                        if collective:   # the rows come from the ranks that hold them
+                            dataset.gather_batch(sampler.batch_indices(0, rows), x, y)
+                        else:
+                            dataset.gather(sampler.batch_indices(lo, hi), x, y)
+                    for k in range(micro):
+                        # Micro-batches as even as the ranks' shares; backward() weights each
+                        # by its rows, so a short, unequal last batch is still its exact mean.
+                        a, b = k * n // micro, (k + 1) * n // micro
+                        strategy.backward(x[a:b], y[a:b], batch_start=lo + a, global_rows=rows)
+                    loss = strategy.step()
+                    if buddy is not None:
+                        buddy.exchange()   # the lost shard survives with its neighbour
+                    epoch_before = state.epoch
+                    if stream is not None:
+                        position["batches"] = stream.index
+                        position["samples_consumed"] += rows
+                        position["num_samples"] = position["samples_consumed"]
+                        position["batch_size"] = rows
+                    else:
+                        sampler.advance()
+                        position["epoch"] = state.epoch
+                        position["samples_consumed"] = state.samples_consumed
+                        # grown data joins at an epoch
+                        position["num_samples"] = sampler.num_samples
+                    step = strategy.step_count
+                    result.losses.append(loss)
+                    result.steps += 1
+                    result.samples += rows
+                    result.last_step = step
 
-        result.seconds = time.perf_counter() - t_start
-        save(result.stopped or "end")
+                    # --- what a step reports -------------------------------------------
+                    epoch_loss += loss
+                    epoch_steps += 1
+                    epoch_samples += rows
+                    if bar is not None:
+                        elapsed = time.perf_counter() - t_start
+                        bar.set_postfix_str(   # tqdm puts ", " before it
+                            f"loss {loss:.4f}, {result.samples / elapsed:,.0f} samples/s",
+                            refresh=False)
+                        bar.update(1)
+                    if metrics.active:
+                        window_loss += loss
+                        window_steps += 1
+                        window_samples += rows
+                        if window_steps >= log_every:
+                            now = time.perf_counter()
+                            metrics.record(
+                                "step", step=step, epoch=state.epoch,
+                                loss=window_loss / window_steps, lr=strategy.current_lr(),
+                                samples_per_s=window_samples / max(now - t_window, 1e-9),
+                                elapsed_s=now - t_start)
+                            t_window, window_loss, window_steps, window_samples = now, 0.0, 0, 0
+
+                    # --- after the step: callback, checkpoint, stop ------------------------
+                    wants_stop = callback is not None and bool(callback(step, loss))
+                    if checkpoint_every and step % checkpoint_every == 0:
+                        save("interval")
+                    if stop is not None:
+                        result.stopped = stop.agree(world, "callback" if wants_stop else None)
+                    elif wants_stop:
+                        result.stopped = "callback"
+                    if result.stopped is None and max_steps is not None and step >= max_steps:
+                        result.stopped = "max_steps"
+
+                    # --- the end of an epoch ---------------------------------------------
+                    if state.epoch != epoch_before:
+                        now = time.perf_counter()
+                        values: dict[str, Any] = {
+                            "epoch": state.epoch, "step": step, "loss": epoch_loss / epoch_steps,
+                            "samples_per_s": epoch_samples / max(now - t_epoch, 1e-9),
+                            "elapsed_s": now - t_start}
+                        if validation is not None:
+                            values["val_loss"] = evaluate(model, *validation)
+                            last_val = (step, values["val_loss"])
+                        metrics.record("epoch", **values)
+                        if rank0 and print_every and (state.epoch % print_every == 0
+                                                      or state.epoch in (1, epochs)):
+                            remaining = (total_steps - step) * (now - t_epoch) / epoch_steps
+                            val = (f"  val {values['val_loss']:.4f}"
+                                   if validation is not None else "")
+                            line = (f"{label} epoch {state.epoch:>3}/{epochs}  step {step:>5}  "
+                                    f"loss {values['loss']:.4f}{val}  "
+                                    f"{values['samples_per_s']:,.0f} samples/s  "
+                                    f"eta {clock(remaining)}{lost_note}")
+                            lost_note = ""
+                            if bar is not None:
+                                bar.write(line, file=out)   # above the bar
+                            else:
+                                out.write(line + "\n")
+                                out.flush()
+                        t_epoch = time.perf_counter()
+                        epoch_loss, epoch_steps, epoch_samples = 0.0, 0, 0
+
+                result.seconds = time.perf_counter() - t_start
+                save(result.stopped or "end")
+                break
+            except Exception as exc:
+                if not (fault_tolerant and ulfm.is_failure(exc)):
+                    raise
+                failure = exc
+            # --- a rank died: go on over the survivors ---------------------------
+            event = _recover(strategy, failure, checkpoints, label, buddy)
+            if buddy is not None:   # what the copies cost so far
+                event["buddy_bytes"], event["buddy_seconds"] = buddy.nbytes, buddy.seconds
+            buddy = new_buddy()
+            world, dp = strategy.config.world, strategy.dp
+            rank0 = world.rank == 0
+            if rank0 and not metrics.active and metrics_path:   # rank 0 was lost
+                metrics = Metrics(metrics_path, append=True)
+            state, position = open_data(True)
+            strategy.data_position = position
+            step = strategy.step_count
+            # What every survivor reports: the steps up to the agreed one.
+            kept = max(0, step - start_step)
+            undone = result.last_step != step   # this rank's figures include other steps
+            losses = max(world.allgather(result.losses[:kept]), key=len)
+            result.losses[:] = losses
+            result.steps, result.last_step = len(losses), step
+            result.recoveries.append(event)
+            saved_at = min(saved_at, step)
+            lost_note += (f"  (lost rank(s) {', '.join(map(str, event['lost_ranks']))} at "
+                          f"step {step})")
+            metrics.record("recovered", **{k: v for k, v in event.items() if k != "event"})
+            if rank0 and (print_every or bar is not None):
+                line = (f"{label} recovered at step {step}: lost world rank(s) "
+                        f"{', '.join(map(str, event['lost_ranks']))}, going on with "
+                        f"{world.size} ({event['seconds']:.2f} s)")
+                if bar is not None:
+                    bar.write(line, file=out)
+                else:
+                    out.write(line + "\n")
+                    out.flush()
+            if world.size < min_workers:
+                save("too-few-workers")
+                why = (f"{world.size} worker(s) left after losing world rank(s) "
+                       f"{event['lost_ranks']}, fewer than min_workers={min_workers}: "
+                       + (f"checkpoint {result.checkpoint} at step {step}" if checkpoints
+                          is not None else "no checkpoint folder, nothing saved"))
+                metrics.record("end", step=step, stopped="too-few-workers", reason=why)
+                metrics.close()
+                _leave(rank0, f"{label}: {why}; exiting with {EXIT_STOPPED} to be relaunched")
+            if checkpoint_every and step % checkpoint_every == 0:
+                save("interval")   # an interrupted save (or one the lost rank missed)
+            if undone:   # the epoch's and window's means start again from here
+                t_window, window_loss, window_steps, window_samples = (
+                    time.perf_counter(), 0.0, 0, 0)
+                t_epoch, epoch_loss, epoch_steps, epoch_samples = t_window, 0.0, 0, 0
         result.epochs = state.epoch
         if validation is not None:
             result.val_loss = (last_val[1] if last_val[0] == strategy.step_count
@@ -300,6 +410,37 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
             bar.close()
         metrics.close()
     return result
+
+
+def _recover(strategy: Any, exc: BaseException, checkpoints: Any, label: str,
+             buddy: ShardBuddy | None) -> dict[str, Any]:
+    """After a failure that says a rank died: the strategy rebuilt over the
+    survivors, and the ``recovered`` event; or, where that cannot be done in
+    place, one line on the survivors' rank 0 and the end of the process with
+    status 75. Collective over the survivors."""
+    why = recoverable(strategy)
+    if why is not None:
+        rec = shrink_only(strategy, exc)
+        _leave(rec.world.rank == 0,
+               f"{label}: lost world rank(s) {rec.lost} after step {rec.step}, cannot go on "
+               f"in place ({why}); exiting with {EXIT_STOPPED} to be relaunched from the "
+               f"newest checkpoint")
+    try:
+        return recover_in_place(strategy, exc, checkpoints=checkpoints, buddy=buddy)[1]
+    except MpiShardError as error:   # ZeRO-2: no copy of the lost shard, no checkpoint
+        if not hasattr(error, "first_survivor"):
+            raise
+        _leave(error.first_survivor, f"{label}: {error}; exiting with {EXIT_STOPPED} to be "
+                                     f"relaunched")
+        raise
+
+
+def _leave(speak: bool, line: str) -> None:
+    """End this process with status 75 after a lost rank (no ``MPI_Finalize``:
+    :func:`mpishard.comm.ulfm.leave`); ``speak``: say ``line`` on stderr first."""
+    if speak:
+        sys.stderr.write(f"[mpishard] {line}\n")
+    ulfm.leave(EXIT_STOPPED)
 
 
 def _open_dataset(strategy: Any, data: Any, epochs: Any, batch_size: Any, seed: int | None,

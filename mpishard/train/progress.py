@@ -3,7 +3,9 @@
 The metrics file holds one JSON object a line, each with an ``"event"``:
 ``start``, ``step`` (every ``log_every`` steps: mean loss since the last
 record, learning rate, samples/s), ``epoch`` (mean loss of the epoch, the
-validation loss), ``checkpoint`` and ``end``. A resumed run appends to it.
+validation loss), ``checkpoint``, ``recovered`` (a lost rank the run went on
+without, fault tolerance on: ``lost_ranks``, ``step``, ``world_size``,
+``seconds``, ...) and ``end``. A resumed run appends to it.
 Only rank 0 writes or prints; nothing here communicates.
 """
 

@@ -29,6 +29,10 @@ class TrainResult:
             when it returned.
         val_loss: the validation loss at the end (nan without validation data).
         checkpoint: the path of the last checkpoint this call wrote, or None.
+        recoveries: one ``recovered`` event (a dict: ``lost_ranks``, ``step``,
+            ``world_size``, ``seconds``, ...) per lost rank this call went on
+            without, in place (fault tolerance on; see
+            :func:`~mpishard.parallel.recovery.recover_in_place`); empty otherwise.
     """
 
     losses: list[float] = field(default_factory=list)
@@ -41,6 +45,7 @@ class TrainResult:
     last_step: int = 0
     val_loss: float = float("nan")
     checkpoint: str | None = None
+    recoveries: list[dict] = field(default_factory=list)
 
     @property
     def samples_per_second(self) -> float:

@@ -1,0 +1,395 @@
+"""A rank SIGKILLed inside ``optimize()``: the one training loop recovers in place (ULFM).
+
+Runs only in the fault-tolerant runtime (``bash scripts/setup.sh --ft``;
+``.venv-ft/bin/python -m pytest tests/test_ulfm_train.py``); elsewhere it skips,
+saying why. Each test starts ``mpirun --with-ft ulfm -n 3``.
+
+Each job trains a float64 MLP (Adam, global batch 24 re-split over whoever is
+there, 4 epochs of 8 steps) with ``optimize()``. A seeded draw picks the victim
+(any rank, 0 included: the metrics file then moves to the new rank 0) and the
+step; the phase is the test's: the forward/backward, a bucket's ``Iallreduce``
+(small buckets: several per step), the step's ``Allreduce``, the loop's stop
+agreement, a checkpoint save. The victim SIGKILLs itself there. The reference,
+computed earlier in the same job: the same training on 3 ranks up to the step the
+survivors must agree on (the step before the kill, or the kill's step itself when
+the rank died after completing it: stop agreement, checkpoint save), then on the
+survivors only (a communicator without the victim, on purpose). Parameters must
+agree to rtol 1e-12; ``result.recoveries`` and the metrics file's ``recovered``
+record say what happened. ZeRO-2 rolls back to its newest checkpoint (reference:
+3 ranks to that checkpoint, the survivors from it). Fewer survivors than
+``min_workers``: checkpoint, one line, exit 75. In reproducible mode the run ends
+with the bits of a 3-rank run that lost nothing. Also: ``mpishard train
+--fault-tolerance`` (DDP goes on; a tensor-parallel layout hands over with 75) and
+``mpishard run --fault-tolerance ulfm`` (no relaunch on a death).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from test_ulfm import _ft_or_skip, ulfm_job
+
+pytestmark = pytest.mark.launch
+
+JOB = r"""
+import json, os, signal, sys, tempfile
+import numpy as np
+from mpi4py import MPI
+from mpishard import ShardingConfiguration
+from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer
+from mpishard.checkpoint import CheckpointManager
+from mpishard.comm import ulfm
+from mpishard.nn import MLP
+from mpishard.optim import Adam
+from mpishard.train import StopRequest
+import mpishard.checkpoint.files as files
+
+assert ulfm.available()[0], ulfm.available()[1]
+PHASE, VICTIM, KILL, STRATEGY, EVERY = {phase!r}, {victim}, {kill}, {strategy!r}, {every}
+MIN = {min_workers}
+REPRO = {repro}
+EPOCHS, ROWS = 4, 24
+AFTER = PHASE in ("stop", "checkpoint")    # the victim dies after completing step KILL
+AGREED = KILL if AFTER else KILL - 1
+if STRATEGY == "zero2" and PHASE == "allgather":
+    AGREED = (AGREED // EVERY) * EVERY          # rolled back to the newest checkpoint
+rank = MPI.COMM_WORLD.rank
+rng = np.random.default_rng(0)
+X = rng.standard_normal((8 * ROWS, 5))
+Y = rng.integers(0, 3, 8 * ROWS)
+base = tempfile.gettempdir() + "/ulfm-train-" + os.environ.get("JOBTAG", "x")
+Strategy = DDPOptimizer if STRATEGY == "ddp" else ZeRO2Optimizer
+extra = {{}} if STRATEGY == "ddp" else {{"reduce_method": "allreduce"}}
+
+
+def fresh():
+    return MLP([5, 16, 3], activation="tanh", dtype=np.float64, seed=1)
+
+
+def make(comm, model):
+    config = ShardingConfiguration(comm, timeout=60, fault_tolerance="ulfm", reproducible=REPRO)
+    return Strategy(Adam(lr=1e-2), config, model=model, bucket_mb=0.0005, **extra)
+
+
+def train(opt, model, **kw):
+    return opt.optimize(model, (X, Y), epochs=EPOCHS, batch_size=ROWS, seed=3, **kw)
+
+
+# --- the run that loses no rank (reproducible mode: the same bits as the others) ---
+whole = fresh()
+train(make(MPI.COMM_WORLD, whole), whole)
+
+# --- the reference: 3 ranks up to AGREED, then the survivors alone ---
+ref = fresh()
+opt = make(MPI.COMM_WORLD, ref)
+train(opt, ref, max_steps=AGREED)
+ref_dir = base + "-ref"
+keeper = CheckpointManager(ref_dir, keep=1)
+keeper.save(ref, opt)
+two = MPI.COMM_WORLD.Split(MPI.UNDEFINED if rank == VICTIM else 0, rank)
+if rank != VICTIM:
+    model2 = fresh()
+    opt2 = make(two, model2)
+    keeper.load_latest(model2, opt2)
+    train(opt2, model2)
+    ref = model2
+MPI.COMM_WORLD.Barrier()
+
+# --- the run that loses VICTIM at step KILL, in PHASE ---
+model = fresh()
+ckpt = base + "-run"
+manager = CheckpointManager(ckpt, keep=None)
+opt = make(MPI.COMM_WORLD, model)
+
+
+def die():
+    print(f"KILL {{rank}} step {{opt.step_count}} {{PHASE}}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if rank == VICTIM:
+    dp = opt.dp
+    if PHASE == "forward":
+        real = model.forward_backward
+        def forward_backward(*a, **k):
+            if opt.step_count == KILL - 1:
+                die()
+            return real(*a, **k)
+        model.forward_backward = forward_backward
+    elif PHASE == "bucket":
+        real_i = type(dp).Iallreduce
+        calls = [0]
+        def Iallreduce(self, *a, **k):
+            if opt.step_count == KILL - 1:
+                calls[0] += 1
+                if calls[0] == 2:      # the second bucket of the step
+                    die()
+            return real_i(self, *a, **k)
+        type(dp).Iallreduce = Iallreduce
+    elif PHASE == "step":
+        real_a = type(dp).Allreduce
+        def Allreduce(self, buf, *a, slot=None, **k):
+            if slot == "step" and opt.step_count == KILL - 1:
+                die()
+            return real_a(self, buf, *a, slot=slot, **k)
+        type(dp).Allreduce = Allreduce
+    elif PHASE == "allgather":            # ZeRO-2: after the update, in the gather
+        real_g = type(dp).Allgatherv
+        def Allgatherv(self, *a, **k):
+            if opt.step_count == KILL:
+                die()
+            return real_g(self, *a, **k)
+        type(dp).Allgatherv = Allgatherv
+    elif PHASE == "stop":
+        real_s = StopRequest.agree
+        def agree(self, world, also=None):
+            if opt.step_count == KILL:
+                die()
+            return real_s(self, world, also)
+        StopRequest.agree = agree
+    elif PHASE == "checkpoint":
+        real_c = files.save_checkpoint
+        def save_checkpoint(*a, **k):
+            if opt.step_count == KILL:
+                die()
+            return real_c(*a, **k)
+        files.save_checkpoint = save_checkpoint
+
+metrics = base + "-metrics.jsonl"
+options = dict(checkpoints=manager, checkpoint_every=EVERY, metrics_path=metrics, log_every=1,
+               print_every=1, stop=StopRequest(signals=()), min_workers=MIN)
+result = train(opt, model, **options)
+if opt.config.world.rank == 0:
+    events = [json.loads(line) for line in open(metrics)]
+    print("RESULT " + json.dumps({{
+        "recoveries": result.recoveries, "steps": opt.step_count,
+        "world_size": opt.config.world.size, "losses": len(result.losses),
+        "first_step": result.first_step, "last_step": result.last_step,
+        "recovered_records": [e for e in events if e["event"] == "recovered"],
+        "checkpoints": [s for s, _ in manager.checkpoints()],
+        "vs_reference": float(np.max(np.abs(model.params - ref.params) / np.abs(ref.params))),
+        "allclose_reference": bool(np.allclose(model.params, ref.params, rtol=1e-12, atol=0)),
+        "equal_reference": bool(np.array_equal(model.params, ref.params)),
+        "equal_uninterrupted": bool(np.array_equal(model.params, whole.params)),
+    }}), flush=True)
+ulfm.leave(0)      # not MPI_Finalize: it may wait for the dead rank (ompi#11404)
+"""
+
+
+def run_job(tmp_path, phase, strategy="ddp", every=3, min_workers=1, seed=0, repro=False):
+    _ft_or_skip()
+    rng = np.random.default_rng(seed)
+    victim = int(rng.integers(0, 3))
+    kill = int(rng.integers(4, 12))          # a step of epoch 0 or 1 (8 steps each)
+    if phase == "checkpoint":                # a step with a save (the second one or later)
+        kill = -(-kill // every) * every
+    code = JOB.format(phase=phase, victim=victim, kill=kill, strategy=strategy, every=every,
+                      min_workers=min_workers, repro=repro)
+    code = code.replace('tempfile.gettempdir() + "/ulfm-train-"', repr(str(tmp_path) + "/j"))
+    job = ulfm_job(3, code, timeout=90)
+    return job, victim, kill
+
+
+@pytest.mark.parametrize("phase,seed", [("forward", 1), ("bucket", 2), ("step", 3),
+                                        ("stop", 4), ("checkpoint", 5)])
+def test_a_rank_killed_inside_optimize_is_recovered_exactly(tmp_path, phase, seed):
+    job, victim, kill = run_job(tmp_path, phase, seed=seed)
+    out = job.stdout
+    match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
+    assert match, out
+    result = json.loads(match.group(1))
+    agreed = kill if phase in ("stop", "checkpoint") else kill - 1
+    assert f"KILL {victim} step " in out, out
+    [rec] = result["recoveries"]
+    assert rec["lost_ranks"] == [victim] and rec["world_size"] == 2, rec
+    assert rec["step"] == agreed, (rec, kill)
+    print(f"{phase}: recovery {rec['seconds']:.4f} s (shrink+agree {rec['shrink_seconds']:.4f} "
+          f"s), vs reference {result['vs_reference']:.2e}")
+    assert result["steps"] == 32 and result["world_size"] == 2, result   # 4 epochs x 8
+    assert result["losses"] == 32 and result["last_step"] == 32, result
+    assert result["allclose_reference"], result
+    [record] = result["recovered_records"]
+    assert record["lost_ranks"] == [victim] and record["step"] == agreed, record
+    assert re.search(rf"train recovered at step {agreed}: lost world rank\(s\) {victim}, "
+                     rf"going on with 2", out), out
+    if phase == "checkpoint":
+        # The interrupted save is done again after the recovery; the one before stays.
+        assert kill in result["checkpoints"] and kill - 3 in result["checkpoints"], result
+        assert not list(tmp_path.glob("jx-run/*.tmp-*")), list(tmp_path.iterdir())
+    assert job.returncode in (0, None), out
+    assert "Traceback" not in out, out
+
+
+def test_zero2_recovers_the_lost_shard_from_its_buddy_copy(tmp_path):
+    # Killed in the step's Allreduce: the left neighbour's copy of the lost rank's
+    # optimizer-state shard holds the agreed step; the state is put together and
+    # resharded over the survivors; exact, nothing lost, nothing read from disk.
+    job, victim, kill = run_job(tmp_path, "step", strategy="zero2", seed=9)
+    out = job.stdout
+    match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
+    assert match, out
+    result = json.loads(match.group(1))
+    [rec] = result["recoveries"]
+    assert rec["lost_ranks"] == [victim] and rec["step"] == kill - 1, (rec, kill)
+    assert rec["from"] == "buddy" and rec["rolled_back_from"] is None, rec
+    print(f"zero2 buddy: recovery {rec['seconds']:.4f} s; copies {rec['buddy_bytes']} B, "
+          f"exchanges {rec['buddy_seconds']:.4f} s over {kill - 1} steps")
+    assert rec["buddy_bytes"] > 0, rec
+    assert "InexactRecoveryWarning" not in out, out
+    assert result["steps"] == 32 and result["allclose_reference"], result
+    assert job.returncode in (0, None), out
+
+
+def test_zero2_rolls_back_to_its_newest_checkpoint_over_the_survivors(tmp_path):
+    # Killed in ZeRO-2's Allgatherv of the parameters (after the update of step KILL):
+    # the survivors' shards are past the step their copies hold and the lost shard's
+    # update is gone; the survivors roll back to the newest checkpoint, resharded
+    # over 2, with a warning, and train the steps since again.
+    job, victim, kill = run_job(tmp_path, "allgather", strategy="zero2", seed=6)
+    out = job.stdout
+    match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
+    assert match, out
+    result = json.loads(match.group(1))
+    back = (kill - 1) // 3 * 3
+    [rec] = result["recoveries"]
+    assert rec["lost_ranks"] == [victim] and rec["step"] == back, (rec, kill)
+    assert rec["rolled_back_from"] == f"{tmp_path}/jx-run/ckpt-{back:010d}.h5", rec
+    assert rec["survivor_steps"] == [kill, kill], rec      # they had done step KILL
+    assert rec["from"] == "checkpoint", rec
+    assert "InexactRecoveryWarning" in out and f"rolled back from step {kill}" in out, out
+    assert result["steps"] == 32 and result["allclose_reference"], result
+    assert job.returncode in (0, None), out
+
+
+def test_fewer_survivors_than_min_workers_checkpoint_and_exit_75(tmp_path):
+    job, victim, kill = run_job(tmp_path, "step", min_workers=3, seed=7)
+    out = job.stdout
+    assert "RESULT" not in out, out
+    line = re.findall(r"^\[mpishard\] train: .*$", out, re.MULTILINE)
+    assert line == [f"[mpishard] train: 2 worker(s) left after losing world rank(s) "
+                    f"[{victim}], fewer than min_workers=3: checkpoint "
+                    f"{tmp_path}/jx-run/ckpt-{kill - 1:010d}.h5 at step {kill - 1}; exiting "
+                    f"with 75 to be relaunched"], out
+    assert job.returncode in (75, None), out
+    # The checkpoint it wrote resumes on the survivors: its step and their parameters.
+    assert (tmp_path / "jx-run" / f"ckpt-{kill - 1:010d}.h5").exists()
+
+
+CLI = r"""
+import os, signal, sys
+from mpi4py import MPI
+from mpishard.commands.train import main
+from mpishard.train import StopRequest
+
+VICTIM, AT = {victim}, {at}
+if MPI.COMM_WORLD.rank == VICTIM:
+    real, calls = StopRequest.agree, [0]
+    def agree(self, world, also=None):
+        calls[0] += 1
+        if calls[0] == AT:                     # after step AT, in the stop agreement
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, world, also)
+    StopRequest.agree = agree
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize("layout", ["ddp", "hybrid"])
+def test_mpishard_train_fault_tolerance(tmp_path, layout):
+    # `mpishard train --fault-tolerance ulfm`: DDP goes on over the survivors and
+    # says so in its summary; a tensor-parallel layout cannot (the lost rank held
+    # half of some layers): one line, exit 75, for `mpishard run` to relaunch.
+    _ft_or_skip()
+    argv = ["--example", "burgers", "--samples", "640", "--epochs", "2", "--batch-size",
+            "48", "--hidden", "32,32", "--fault-tolerance", "ulfm", "--no-progress",
+            "--out", str(tmp_path)]
+    n = 3
+    if layout == "hybrid":
+        argv += ["--strategy", "hybrid", "--tp", "2"]
+        n = 4
+    job = ulfm_job(n, CLI.format(victim=n - 1, at=5, argv=argv), timeout=90)
+    out = job.stdout
+    if layout == "ddp":
+        assert re.search(rf"^   recovered in place at step 5: lost world rank\(s\) {n - 1}, "
+                         rf"went on with 2 ", out, re.MULTILINE), out
+        assert re.search(r"^burgers done: .* 26 steps in", out, re.MULTILINE), out
+        assert job.returncode in (0, None), out
+    else:
+        lines = re.findall(r"^\[mpishard\] .*$", out, re.MULTILINE)
+        assert lines == ["[mpishard] burgers: lost world rank(s) [3] after step 5, cannot "
+                         "go on in place (the layout has tensor_parallel_size=2 and "
+                         "pipeline_parallel_size=1: the lost rank held a piece of the model "
+                         "that no survivor has); exiting with 75 to be relaunched from the "
+                         "newest checkpoint"], out
+        assert job.returncode in (75, None), out
+    assert "Traceback" not in out, out
+
+
+def test_agent_in_ulfm_mode_leaves_the_survivors_running(tmp_path):
+    # `mpishard run --fault-tolerance ulfm`: rank 1 of 3 dies after step 6; the agent
+    # records the death and ends nothing; the survivors go on in place and finish:
+    # one launch, exit 0.
+    _ft_or_skip()
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import mpi_env
+
+    worker = Path(__file__).with_name("elastic_worker.py")
+    (tmp_path / "slots").write_text("3")
+    log = tmp_path / "agent.log"
+    env = mpi_env({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    cmd = [sys.executable, "-m", "mpishard", "run", "--fault-tolerance", "ulfm",
+           f"--slots-file={tmp_path / 'slots'}", "--launcher=mpirun",
+           "--launcher-args=--oversubscribe", f"--log={log}", "--", sys.executable,
+           str(worker), "--ckpt", str(tmp_path / "ckpt"), "--events", str(tmp_path / "events"),
+           "--kill-at", "6", "--kill-rank", "1"]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 0, out
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    launches = [e for e in events if e["event"] == "launch"]
+    assert len(launches) == 1 and "--with-ft ulfm" in launches[0]["command"], events
+    lost = [e for e in events if e["event"] == "lost"]
+    assert lost and lost[0]["dead"] == [1] and lost[0]["in_place"], events
+    [done] = [json.loads(line) for line in (tmp_path / "events").read_text().splitlines()]
+    assert done["final_step"] == 24 and done["world_size"] == 2, done
+    [rec] = done["recoveries"]
+    assert rec["lost_ranks"] == [1] and rec["step"] == 6, rec
+
+
+def test_fault_tolerance_option_of_mpishard_train(tmp_path):
+    # Flag and TOML key; "ulfm" where the runtime has no ULFM is an error at the start.
+    from mpishard.commands.config import UsageError, plan_runs
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('example = "burgers"\nfault_tolerance = "ulfm"\n')
+    assert plan_runs({"config": str(toml)}, 1)[0].fault_tolerance == "ulfm"
+    assert plan_runs({"config": str(toml), "fault_tolerance": "off"}, 1)[0].fault_tolerance \
+        == "off"
+    assert plan_runs({"example": "burgers"}, 1)[0].fault_tolerance == "auto"
+    toml.write_text('example = "burgers"\nfault_tolerance = "on"\n')
+    with pytest.raises(UsageError, match="unknown fault_tolerance 'on': choose one of auto, "
+                                         "ulfm, off"):
+        plan_runs({"config": str(toml)}, 1)
+
+
+def test_reproducible_mode_ends_with_the_bits_of_the_run_that_lost_no_rank(tmp_path):
+    # ShardingConfiguration(reproducible=True): every sum is independent of the number
+    # of ranks, so the run that lost rank VICTIM in the step's Allreduce and went on
+    # over 2 ends bit for bit where the 3-rank run that lost nothing ends.
+    job, victim, kill = run_job(tmp_path, "step", seed=8, repro=True)
+    out = job.stdout
+    match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
+    assert match, out
+    result = json.loads(match.group(1))
+    [rec] = result["recoveries"]
+    assert rec["lost_ranks"] == [victim] and rec["step"] == kill - 1, rec
+    assert result["equal_uninterrupted"] and result["equal_reference"], result
+    assert job.returncode in (0, None), out
