@@ -54,7 +54,8 @@ class ShardingConfiguration:
             alone on whatever rank holds it). ``None``: ``B // gcd(B, 24)`` for a
             global batch of ``B`` rows, so ``gcd(B, 24)`` units and any
             data-parallel size dividing that works (1, 2, 3, 4, 6, 8, 12, 24
-            when 24 divides ``B``).
+            when 24 divides ``B``). A dataset's short last batch of an epoch
+            (``drop_last=False``) runs in units of one row.
         fault_tolerance: ``"auto"`` (default): where the job runs under Open MPI 5
             started with ``mpirun --with-ft ulfm``, the groups return errors
             (``mpi4py.MPI.Exception``) when a rank dies instead of ending the job,

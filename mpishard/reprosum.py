@@ -80,6 +80,13 @@ NORM_WORD_BITS = 20
 NORM_WORDS = 3
 
 
+# The host deposit's fast paths (integer maximum of magnitudes, one scalar scale
+# per block of one bin); False runs the general ones (the tests compare the bits).
+_FAST = True
+# Integer type and mask clearing the sign bit, per float item size (see _block_amax).
+_BITS = {4: (np.dtype(np.int32), 0x7FFFFFFF), 8: (np.dtype(np.int64), 0x7FFFFFFFFFFFFFFF)}
+
+
 def words_for(dtype: Any) -> int:
     """Words per element: 2 for float32 (at least 37 bits kept below the chunk's
     largest value), 3 for float64 (at least 75)."""
@@ -243,6 +250,7 @@ class BinnedAccumulator:
                     copies.append((a + q0 - p, a + q1 - p, q0 - lo))
             filled = sum(q1 - q0 for q0, q1, _ in copies)
             self._blocks.append((c0, c1, copies, filled < hi - lo))
+        self._bits_scratch: Any = None     # integer scratch of _block_amax, on first need
         self.deposits = 0
         #: Deposits the words hold exactly (over all ranks that reduce them).
         self.capacity = 1 << (53 - word_bits)
@@ -274,10 +282,16 @@ class BinnedAccumulator:
             raise ValueError(f"a binned sum holds at most {self.capacity} deposits "
                              f"(2**(53 - {self.word_bits})), got one more")
         source, c, amax = x.reshape(-1), self.chunk, self._amax
-        # The largest magnitude per chunk, read from x itself (no temporary |x|).
+        fast = _FAST and xp is np
+        bits = _BITS.get(source.dtype.itemsize) if fast else None
+        if bits is not None and not source.flags.c_contiguous:
+            bits = None
+        # The largest magnitude per chunk, read from x itself.
         for start, stop, padded, full in self._pieces:
             c0 = padded // c
-            if full:
+            if full and bits is not None:
+                self._block_amax(source[start:start + full * c], amax[c0:c0 + full], bits)
+            elif full:
                 v = source[start:start + full * c].reshape(full, c)
                 xp.maximum(v.max(axis=1), -v.min(axis=1), out=amax[c0:c0 + full])
             if start + full * c < stop:
@@ -292,6 +306,22 @@ class BinnedAccumulator:
         self.realign(new)
         for c0, c1, copies, padding in self._blocks:
             tb = t[:c1 - c0]
+            if fast and not padding and len(copies) == 1:
+                # One bin for the whole block (the usual case: 38-bit bins are wide):
+                # copy and scale in one pass, by a scalar. x * 2**(-bin * W) rounds
+                # as the row-wise scaling does (exact but for subnormal products);
+                # a float64 scalar: a Python float would multiply float32 in float32.
+                bins = self.bins[c0:c1]
+                top = int(bins[0])
+                uniform = bool((bins == top).all())
+                if uniform and top == EMPTY_BIN:
+                    continue        # all zeros so far, these included: nothing to add
+                if uniform and abs(top * self.word_bits) <= 1022:
+                    a, b, _ = copies[0]
+                    np.multiply(source[a:b].reshape(tb.shape),
+                                np.float64(2.0 ** (-top * self.word_bits)), out=tb)
+                    self._slice(tb, c0, c1, scaled=True)
+                    continue
             if padding:
                 tb.fill(0.0)
             flat = tb.reshape(-1)
@@ -307,10 +337,33 @@ class BinnedAccumulator:
         self.deposits += 1
         return True
 
-    def _slice(self, t: Any, c0: int, c1: int) -> None:
-        """Add the slices of chunks ``[c0, c1)``, held (unscaled) in ``t``, to the words."""
+    def _block_amax(self, v: Any, out: Any, bits: tuple[Any, int]) -> None:
+        """``out[i] = max |v[i * chunk:(i + 1) * chunk]|`` for whole chunks (NumPy).
+
+        The sign bit cleared, IEEE floats order as their bits do, so the largest
+        magnitude is the largest integer: one masking pass and one integer
+        maximum (0.6 ns an element for float32 here, against 0.94 for a float
+        maximum and minimum). NaN and infinity come out as themselves.
+        """
+        itype, mask = bits
+        c = self.chunk
+        scratch = self._bits_scratch
+        if scratch is None or scratch.dtype != itype:
+            scratch = self._bits_scratch = np.empty(self._t.size, dtype=itype)
+        ints = v.view(itype)
+        step = scratch.size - scratch.size % c
+        for a in range(0, ints.size, step):
+            piece = ints[a:a + step]
+            sc = scratch[:piece.size]
+            np.bitwise_and(piece, mask, out=sc)
+            out[a // c:(a + piece.size) // c] = sc.reshape(-1, c).max(axis=1).view(v.dtype)
+
+    def _slice(self, t: Any, c0: int, c1: int, scaled: bool = False) -> None:
+        """Add the slices of chunks ``[c0, c1)``, held in ``t`` (unscaled, or already
+        ``scaled`` by ``2**(-bin * W)``), to the words."""
         xp, s, words = self.xp, self._s[:c1 - c0], self.words[:, c0:c1]
-        _scale(t, self.bins[c0:c1], -self.word_bits, 0)     # t = x * 2**(-bin * W)
+        if not scaled:
+            _scale(t, self.bins[c0:c1], -self.word_bits, 0)     # t = x * 2**(-bin * W)
         step = 2.0 ** self.word_bits
         for k in range(self.k - 1):
             # Not modf: one call, but 15x slower than trunc and subtract here.
@@ -381,5 +434,6 @@ class BinnedAccumulator:
                               self.word_bits)
 
     def nbytes(self) -> int:
+        scratch = self._bits_scratch.nbytes if self._bits_scratch is not None else 0
         return int(self.words.nbytes + self.bins.nbytes + self._t.nbytes + self._s.nbytes
-                   + self._amax.nbytes)
+                   + self._amax.nbytes + scratch)

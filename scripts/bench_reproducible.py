@@ -15,10 +15,13 @@ units' compute; one call per unit in reproducible mode), ``deposit`` (slicing
 each unit's gradient into the binned accumulator, and converting back),
 ``communication`` (the gradient reduction: the float words and the bins in
 reproducible mode), ``optimizer`` and ``gather`` (ZeRO-2's parameter Allgatherv).
-``--unit-rows`` sets the unit (default: the library's, ``B // gcd(B, 24)``) and
+``--unit-rows`` sets the unit (default: the library's, ``B // gcd(B, 24)``;
+``rank``: one unit per rank, the fewest a run at this size allows) and
 ``--batch-per-rank`` the rows per rank (64 by default, as bench_strategies.py):
 the deposit costs the same per unit whatever its rows, so its share falls as
-units grow (``--batch-per-rank 512 --unit-rows 64``).
+units grow (``--batch-per-rank 512 --unit-rows 64``). ``--compare-general`` adds
+reproducible mode with the deposit's general paths (``general_*``: the deposit
+before its fast paths), side by side in the same rounds.
 
 Set OMP_NUM_THREADS (the script defaults it to cores / ranks) so ranks do not
 fight over cores.
@@ -39,6 +42,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+import mpishard.reprosum as reprosum  # noqa: E402
 from mpishard import ShardingConfiguration  # noqa: E402
 from mpishard.nn import MLP  # noqa: E402
 from mpishard.optim import Adam  # noqa: E402
@@ -77,9 +81,11 @@ def build(sizes, dtype, kind, reproducible, unit_rows, batch):
     return config, strategy, step
 
 
-def timed_round(strategy, step, steps: int) -> tuple[float, dict[str, float]]:
-    """Mean step seconds (slowest rank) and the mean breakdown per step."""
+def timed_round(strategy, step, steps: int, fast: bool = True) -> tuple[float, dict[str, float]]:
+    """Mean step seconds (slowest rank) and the mean breakdown per step; ``fast``
+    False runs the deposit's general paths (the deposit before its fast paths)."""
     world = MPI.COMM_WORLD
+    reprosum._FAST = fast
     strategy.reset_timings()
     world.Barrier()
     t0 = time.perf_counter()
@@ -98,24 +104,35 @@ def main() -> None:
                         choices=["ddp", "zero2"])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--unit-rows", type=int, default=None)
+    parser.add_argument("--unit-rows", default=None,
+                        help="rows per unit, or 'rank': one unit per rank (batch-per-rank)")
+    parser.add_argument("--compare-general", action="store_true",
+                        help="also time reproducible mode with the deposit's general "
+                             "paths (reprosum._FAST = False), side by side")
     parser.add_argument("--batch-per-rank", type=int, default=BATCH_PER_RANK)
     args = parser.parse_args()
     world = MPI.COMM_WORLD
+    if args.unit_rows is not None:
+        args.unit_rows = (args.batch_per_rank if args.unit_rows == "rank"
+                          else int(args.unit_rows))
+    modes = {"default": True, "reproducible": True}
+    if args.compare_general:
+        modes["general"] = False
     for name in args.models:
         sizes = MODELS[name]
         for dtype_name in args.dtypes:
             dtype = np.dtype(dtype_name)
             for kind in args.strategies:
-                runs = {mode: build(sizes, dtype, kind, mode == "reproducible", args.unit_rows,
+                runs = {mode: build(sizes, dtype, kind, mode != "default", args.unit_rows,
                                     args.batch_per_rank)
-                        for mode in ("default", "reproducible")}
+                        for mode in modes}
                 for _, _, step in runs.values():
                     step()                                   # warm-up
                 best = {mode: (float("inf"), {}) for mode in runs}
                 for _ in range(args.rounds):
                     for mode, (_, strategy, step) in runs.items():
-                        seconds, parts = timed_round(strategy, step, args.steps)
+                        seconds, parts = timed_round(strategy, step, args.steps,
+                                                     modes[mode])
                         if seconds < best[mode][0]:
                             best[mode] = (seconds, parts)
                 total = world.size * args.batch_per_rank
@@ -127,6 +144,11 @@ def main() -> None:
                     "default_step_s": round(best["default"][0], 5),
                     "reproducible_step_s": round(best["reproducible"][0], 5),
                     "ratio": round(best["reproducible"][0] / best["default"][0], 3),
+                    **({"general_step_s": round(best["general"][0], 5),
+                        "general_ratio": round(best["general"][0] / best["default"][0], 3),
+                        "general_parts_s": {k: round(v, 5)
+                                            for k, v in best["general"][1].items()}}
+                       if "general" in best else {}),
                     "default_parts_s": {k: round(v, 5) for k, v in best["default"][1].items()},
                     "reproducible_parts_s": {k: round(v, 5)
                                              for k, v in best["reproducible"][1].items()},

@@ -228,6 +228,35 @@ def test_tensor_bits_do_not_depend_on_offset_or_block(monkeypatch):
     assert results[0] == results[1] == results[2]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fast_deposit_paths_give_the_general_bits(dtype, monkeypatch):
+    """The host deposit's fast paths (bit maximum, one scale per block of one bin)
+    against the general ones: the same words and bins."""
+    import mpishard.reprosum as reprosum
+
+    rng = np.random.default_rng(8)
+    n = 5 * CHUNK + 17
+    # First a tiny one: its bins' scale 2**152 is beyond float32 (float64 arithmetic).
+    xs = [(rng.standard_normal(n) * 1e-36).astype(dtype)] + wide_vectors(dtype, 4, n, seed=9)
+    xs[0][:2 * CHUNK] = 0.0      # a block of zeros: skipped
+    xs += [rng.standard_normal(n).astype(dtype) * 3, np.full(n, -0.0, dtype=dtype),
+           (rng.standard_normal(n) * 1e-300).astype(dtype)]
+    got = []
+    for fast in (True, False):
+        monkeypatch.setattr(reprosum, "_FAST", fast)
+        monkeypatch.setattr(reprosum, "BLOCK_ELEMENTS", 2 * CHUNK)
+        acc = BinnedAccumulator(n, dtype, segments=[2 * CHUNK, n - 2 * CHUNK])
+        snapshots = []
+        for x in xs:
+            assert acc.deposit(x)
+            snapshots.append(acc.words.tobytes())   # a later rise may drop words
+        bad = xs[1].copy()
+        bad[CHUNK + 3] = np.nan
+        assert not acc.deposit(bad)          # refused on either path
+        got.append((snapshots, acc.bins.tobytes()))
+    assert got[0] == got[1]
+
+
 def test_binned_sum_edges():
     acc = BinnedAccumulator(5, np.float32)
     assert not acc.deposit(np.array([1, 2, np.nan, 4, 5], dtype=np.float32))
@@ -494,3 +523,21 @@ def test_train_command_reproducible_flag_and_toml_key(tmp_path):
 
 if __name__ == "__main__":      # pragma: no cover
     sys.exit(pytest.main([__file__]))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind, dtype", [("ddp", np.float32), ("zero2-reduce_scatter", np.float64)])
+def test_short_last_batch_same_bits_as_one_process(kind, dtype):
+    """drop_last=False: the short last batch (37 rows: one default unit, cut by any
+    split over 2 or more ranks) runs in units of one row, the same bits at any size."""
+    def run(comm):
+        config = ShardingConfiguration(comm, reproducible=True)
+        net = MLP([6, 16, 4], activation="tanh", dtype=dtype, seed=5)
+        strategy = make_strategy(kind, config, max_grad_norm=0.5)
+        result = strategy.optimize(net, mlp_data(2 * BATCH + 37), epochs=2, batch_size=BATCH,
+                                   drop_last=False)
+        assert result.steps == 6 and result.samples == 2 * (2 * BATCH + 37)
+        out = digest(np.array(net.params), result.losses)
+        config.free()
+        return out
+    assert run(MPI.COMM_WORLD) == run(MPI.COMM_SELF)

@@ -188,9 +188,13 @@ class HierarchicalComm:
 
     def _progress(self, until: _Staged | None = None) -> None:
         """Advance the pending calls in the order they were made; block on those up
-        to ``until``. A stage starts only after the previous call started it."""
+        to ``until``. A stage starts only after every earlier call started it."""
         blocking = until is not None
-        before = None                      # stages the previous call has started
+        # Stage s of a call uses the same communicator in every kind of call: it may
+        # start once EVERY earlier call has started its stage s (or has none). So the
+        # limit is the least stage not yet started by any earlier call with stages
+        # left (a call with all its stages started no longer holds the others back).
+        before = None
         for op in self._pending:
             while True:
                 if op.handle is not None:
@@ -207,7 +211,8 @@ class HierarchicalComm:
                     break
                 op.handle = op.stages[op.started]()
                 op.started += 1
-            before = len(op.stages) + 1 if op.done else op.started
+            if op.started < len(op.stages):
+                before = op.started if before is None else min(before, op.started)
             if op is until:
                 blocking = False
         while self._pending and self._pending[0].done:

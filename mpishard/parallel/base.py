@@ -21,6 +21,7 @@ from ..flat import Range, bucket_ranges
 from ..optim.base import CHUNK_ELEMENTS, DEVICE_CHUNK_ELEMENTS
 from ..optim.clip import all_finite, clip_coefficient, sum_of_squares
 from ..protocols import BucketedModel, Model, Optimizer
+from .overlap import OVERLAP_CHOICES, choose_overlap
 from .repro import ReproducibleStep
 
 __all__ = ["DataParallelOptimizer"]
@@ -69,7 +70,8 @@ class DataParallelOptimizer:
     def __init__(self, optimizer: Optimizer, config: ShardingConfiguration | None = None, *,
                  model: Model | None = None, bucket_mb: float = 25.0,
                  accumulation_steps: int = 1, max_grad_norm: float | None = None,
-                 schedule: Callable[[int], float] | None = None, overlap: bool = True,
+                 schedule: Callable[[int], float] | None = None,
+                 overlap: bool | str = True,
                  nonfinite: str = "error") -> None:
         self.config = config if config is not None else ShardingConfiguration()
         world = self.config.world
@@ -85,6 +87,8 @@ class DataParallelOptimizer:
             problem = f"max_grad_norm must be positive or None, got {max_grad_norm!r}"
         elif nonfinite not in NONFINITE_POLICIES:
             problem = f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}"
+        elif not any(overlap is c for c in OVERLAP_CHOICES):
+            problem = f"overlap must be True, False or 'auto', got {overlap!r}"
         world.agree(problem, ValueError)
         topo = self.config.topology
         if topo.tp * topo.pp != 1 and not self._model_parallel:
@@ -148,13 +152,25 @@ class DataParallelOptimizer:
         self._scales_loss = _accepts_keyword(model.forward_backward, "loss_scale")
         # Buckets reduced during the backward must already hold the row-weighted
         # gradient: a model that cannot scale its loss is reduced after it.
-        self.bucketed = isinstance(model, BucketedModel) and self.overlap and self._scales_loss
         # Reproducible mode reduces binned sums at step(), not buckets during the backward.
-        self.bucketed = self.bucketed and not self.config.reproducible
+        can_overlap = (isinstance(model, BucketedModel) and self._scales_loss
+                       and not self.config.reproducible)
         self._batch_context = hasattr(model, "set_batch_context")
         bucket_elements = max(1, int(self.bucket_mb * 2**20) // model.params.itemsize)
-        self.buckets = GradientBuckets(bucket_ranges(model.layout, bucket_elements),
-                                       self._reduce, slots=self._slots)
+        ranges = bucket_ranges(model.layout, bucket_elements)
+        #: overlap="auto": what was measured at attach (.overlap: the stand-in backward).
+        self.overlap_timings: dict[str, Any] = {}
+        if self.overlap == "auto" and can_overlap:
+            self.bucketed = choose_overlap(self.dp, self._step_group(), ranges,
+                                           model.params.dtype, self.xp, self._probe_kind(),
+                                           self._slots, self.overlap_timings)
+        else:
+            self.bucketed = can_overlap and self.overlap is True
+            if self.overlap == "auto":
+                self.overlap_timings.update(choice=False, reason=(
+                    "reproducible mode" if self.config.reproducible else
+                    "the model has no backward hooks or no loss_scale"))
+        self.buckets = GradientBuckets(ranges, self._reduce, slots=self._slots)
         self.dp.Bcast(model.params, root=0)
         if model.grads is None and isinstance(model, BucketedModel):
             _own_gradient(model, self.xp)
@@ -475,6 +491,10 @@ class DataParallelOptimizer:
     def _step_group(self) -> FlatComm:
         """The group the step's totals are reduced over."""
         return self.dp
+
+    def _probe_kind(self) -> str:
+        """How ``overlap="auto"`` reduces its stand-in buckets (ZeRO-2: to shards)."""
+        return "allreduce"
 
     def _owned_ranges(self) -> list[Range]:
         """World ranges of the model's vector whose squares this rank's replica

@@ -4,7 +4,8 @@ With ``ShardingConfiguration(reproducible=True)`` a data-parallel strategy hands
 its ``backward`` and the reductions of its ``step`` to :class:`ReproducibleStep`:
 
 - **Units.** The global batch of ``B`` rows is cut into units of ``R`` rows
-  (``config.unit_rows``; by default ``B // gcd(B, 24)``). ``backward`` cuts the
+  (``config.unit_rows``; by default ``B // gcd(B, 24)``; a dataset's short last
+  batch of an epoch, with ``drop_last=False``, into units of one row). ``backward`` cuts the
   rows it is given at unit boundaries and runs one forward/backward per unit on
   a fixed buffer of exactly ``R`` rows, so a unit's gradient, computed with the
   same shapes and the same code, has the same bits on whatever rank computes it.
@@ -32,9 +33,13 @@ change how a layer's matrix products are cut, hence the bits.
 
 Costs: one forward/backward per unit instead of per micro-batch; a deposit per
 unit (about ten passes over the gradient in float64); ``K`` float64 words per
-element on every rank (16 bytes for float32, 24 for float64, ZeRO-2 included)
-and their reduction instead of the gradient's; no overlap of reduction and
-backward. ``scripts/bench_reproducible.py`` measures them.
+element on every rank (16 bytes for float32, 24 for float64, ZeRO-2 included:
+every unit deposits its whole gradient, so a rank cannot keep only its shard's
+words without reducing after every unit) and their reduction instead of the
+gradient's; no overlap of reduction and backward. Both the deposit and a unit's
+weight-gradient write cost the same for any rows, so the overhead is about
+units per rank times parameters: fewer, larger units (``unit_rows``) cost less.
+``scripts/bench_reproducible.py`` measures them.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from ..reprosum import (
     words_to_float,
 )
 
-__all__ = ["DEFAULT_UNITS", "ReproducibleStep", "unit_rows_for"]
+__all__ = ["DEFAULT_UNITS", "ReproducibleStep", "WordShards", "unit_rows_for"]
 
 #: The default number of units in a global batch is ``gcd(B, DEFAULT_UNITS)``:
 #: 24 has the divisors 1, 2, 3, 4, 6, 8, 12, 24.
@@ -74,6 +79,43 @@ def unit_rows_for(global_rows: int, unit_rows: int | None) -> int:
     if unit_rows is not None:
         return unit_rows
     return global_rows // math.gcd(global_rows, DEFAULT_UNITS)
+
+
+def _short_last_batch(strategy: Any, global_rows: int) -> bool:
+    """A dataset's short last batch of an epoch (``optimize(..., drop_last=False)``):
+    fewer rows than the run's ``batch_size`` (the training loop keeps it in
+    ``data_position``, the same on every rank). The loop splits it over the ranks
+    as evenly as its rows allow, which cuts units wherever the ranks' count falls:
+    it runs in units of one row instead, the same units for any data-parallel size."""
+    position = strategy.data_position
+    return (position is not None and "batches" not in position
+            and 0 < global_rows < int(position.get("batch_size", 0)))
+
+
+class WordShards:
+    """Sum the words of a :class:`~mpishard.reprosum.BinnedAccumulator` over a
+    group so that each rank gets only its shard's: one ``Reduce_scatter`` per
+    word row over the padded shard ranges (the words are padded per tensor).
+    Integer sums in float64: any algorithm gives the same bits. Made once."""
+
+    def __init__(self, acc: Any, shards: list[Any], rank: int, xp: Any) -> None:
+        ends = [acc.padded_offset(r.start) for r in shards] + [acc.padded_size]
+        self.counts = [b - a for a, b in zip(ends[:-1], ends[1:])]
+        self.span = (ends[rank], ends[rank + 1])
+        self.recv = xp.empty(max(self.counts[rank], 1), dtype=acc.words.dtype)
+
+    def reduce(self, group: Any, acc: Any) -> None:
+        """Collective over ``group``: the rank's padded span of every word row
+        holds the group's sum; the rest of the words is left as it was."""
+        lo, hi = self.span
+        recv = self.recv[:hi - lo]
+        for k in range(acc.k):
+            row = acc.words[k].reshape(-1)
+            group.Reduce_scatter(row[:acc.padded_size], recv, self.counts, slot="repro-words")
+            row[lo:hi] = recv
+
+    def nbytes(self) -> int:
+        return int(self.recv.nbytes)
 
 
 class ReproducibleStep:
@@ -119,6 +161,8 @@ class ReproducibleStep:
             batch_start = dp.rank * per_rank + micro * rows
             global_rows = per_rank * dp.size
         r = unit_rows_for(global_rows, s.config.unit_rows)
+        if _short_last_batch(s, global_rows):
+            r = 1     # split over the ranks as evenly as the rows allow: cut anywhere
         problem = None
         if global_rows % r:
             problem = (f"reproducible mode: the global batch of {global_rows} rows does not "
@@ -226,5 +270,6 @@ class ReproducibleStep:
         return loss, squares
 
     def nbytes(self) -> int:
-        return self.grads.nbytes() + sum(int(a.nbytes) + int(b.nbytes)
-                                         for a, b in self._units.values())
+        shards = getattr(self.strategy, "_repro_words", None)
+        return (self.grads.nbytes() + (shards.nbytes() if shards is not None else 0)
+                + sum(int(a.nbytes) + int(b.nbytes) for a, b in self._units.values()))

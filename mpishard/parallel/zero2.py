@@ -11,6 +11,7 @@ from ..errors import MpiShardError
 from ..flat import Range, shard_ranges
 from ..protocols import Model
 from .base import DataParallelOptimizer, _nbytes
+from .repro import WordShards
 
 __all__ = ["REDUCE_METHODS", "ZeRO2Optimizer", "choose_reduce_method"]
 
@@ -82,7 +83,7 @@ class ZeRO2Optimizer(DataParallelOptimizer):
         # Later micro-batches are received here and added to the shard (one per
         # slot, made on first need: only accumulation uses them).
         self._scratch: list[Any] | None = None
-        self._repro_recv: Any = None    # reproducible mode: one word row of the shard
+        self._repro_words: WordShards | None = None    # reproducible mode, on first need
         if self.bucketed:
             buckets.allocate(xp, dtype)
             model.bind_gradients(buckets.gradient_views(self.layout))
@@ -103,6 +104,11 @@ class ZeRO2Optimizer(DataParallelOptimizer):
             kind="allreduce" if self.reduce_method == "allreduce" else "reduce_scatter",
             blocking=not self.bucketed, nodes=self.config.groups.nodes,
             record=self.reduction_timings)
+
+    def _probe_kind(self) -> str:
+        # overlap="auto" is decided before reduce_method="auto" (which is measured
+        # blocking or not as that decides): the stand-in reduces to shards then.
+        return "allreduce" if self.reduce_method == "allreduce" else "reduce_scatter"
 
     @property
     def slots(self) -> list[Any]:
@@ -182,19 +188,9 @@ class ZeRO2Optimizer(DataParallelOptimizer):
             self.dp.Allreduce(acc.words, slot="repro-words")
             return
         # The words are padded per tensor: each rank receives its shard's padded range.
-        if self._repro_recv is None:
-            ends = [acc.padded_offset(r.start) for r in self.shards] + [acc.padded_size]
-            self._repro_counts = [b - a for a, b in zip(ends[:-1], ends[1:])]
-            self._repro_span = (ends[self.dp.rank], ends[self.dp.rank + 1])
-            self._repro_recv = self.xp.empty(max(self._repro_counts[self.dp.rank], 1),
-                                             dtype=acc.words.dtype)
-        lo, hi = self._repro_span
-        recv = self._repro_recv[:hi - lo]
-        for k in range(acc.k):
-            row = acc.words[k].reshape(-1)
-            self.dp.Reduce_scatter(row[:acc.padded_size], recv, self._repro_counts,
-                                   slot="repro-words")
-            row[lo:hi] = recv
+        if self._repro_words is None:
+            self._repro_words = WordShards(acc, self.shards, self.dp.rank, self.xp)
+        self._repro_words.reduce(self.dp, acc)
 
     def _repro_target(self) -> tuple[Any, int, int]:
         return self.shard_grad, self.shard.start, self.shard.stop
