@@ -34,8 +34,10 @@ FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
          "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 
 
-def _run(*cmd: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+def _run(*cmd: str, timeout: float = 60, via: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``cmd``, prefixed by ``via`` (the Slurm of tests/test_cluster.py answers only
+    inside its nodes: ``cluster-local.sh exec``)."""
+    return subprocess.run([*via, *cmd], capture_output=True, text=True, timeout=timeout)
 
 
 def _slurm_answers() -> bool:
@@ -73,29 +75,33 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def submit(script: str, tmp: Path, *args: str, **env: str) -> str:
-    """``sbatch`` a script of ``slurm/`` from the repository root; the job id."""
+def submit(script: str, tmp: Path, *args: str, sbatch: tuple[str, ...] = (),
+           via: tuple[str, ...] = (), **env: str) -> str:
+    """``sbatch SBATCH slurm/SCRIPT ARGS`` from the repository root (``via`` the
+    command prefix that reaches Slurm, ``env`` added to the environment); the job id."""
     proc = subprocess.run(
-        ["sbatch", "--parsable", f"--output={tmp}/%x-%j.out", f"slurm/{script}", *args],
+        [*via, "sbatch", "--parsable", f"--output={tmp}/%x-%j.out", *sbatch,
+         f"slurm/{script}", *args],
         cwd=REPO, capture_output=True, text=True, timeout=60, env=_env(**env))
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
 
 
-def job_info(job: str) -> dict[str, str]:
-    proc = _run("scontrol", "show", "job", "-o", job)
+def job_info(job: str, via: tuple[str, ...] = ()) -> dict[str, str]:
+    proc = _run("scontrol", "show", "job", "-o", job, via=via)
     return dict(re.findall(r"(\w+)=(\S*)", proc.stdout)) if proc.returncode == 0 else {}
 
 
-def wait(job: str, timeout: float = 300, until: set[str] = FINAL) -> dict[str, str]:
+def wait(job: str, timeout: float = 300, until: set[str] = FINAL,
+         via: tuple[str, ...] = ()) -> dict[str, str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        info = job_info(job)
+        info = job_info(job, via)
         if info.get("JobState") in until:
             return info
         time.sleep(0.5)
-    _run("scancel", job)
-    pytest.fail(f"job {job} did not reach {sorted(until)} in {timeout} s: {job_info(job)}")
+    _run("scancel", job, via=via)
+    pytest.fail(f"job {job} did not reach {sorted(until)} in {timeout} s: {job_info(job, via)}")
 
 
 def log(tmp: Path, name: str, job: str) -> str:
