@@ -25,7 +25,6 @@ Sums give the flat result to rounding (another order of addition), not bit for b
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +36,7 @@ from ..backend import array_namespace
 from ..flat import shard_ranges
 from .communicator import FlatComm, Handle
 from .nodes import NodeMap
+from .timing import reduce_once, time_alternatives
 
 __all__ = ["REDUCTIONS", "HierarchicalComm", "choose"]
 
@@ -338,24 +338,10 @@ def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "all
     buf = xp.zeros(max(elements, group.size), dtype=dtype)
     counts = _counts(buf.size, group.size)
     recv = xp.zeros(counts[group.rank], dtype=dtype)
-    best = {way: float("inf") for way in REDUCTIONS}
-    for round_ in range(repeats + 1):
-        for way, comm in (("flat", group), ("hierarchical", hier)):
-            group.barrier()
-            t0 = time.perf_counter()
-            if kind == "allreduce":
-                if blocking:
-                    comm.Allreduce(buf, slot="probe")
-                else:
-                    comm.Iallreduce(buf, slot="probe").wait()
-            elif blocking:
-                comm.Reduce_scatter(buf, recv, counts, slot="probe")
-            else:
-                comm.Ireduce_scatter(buf, recv, counts, slot="probe").wait()
-            if round_:
-                best[way] = min(best[way], time.perf_counter() - t0)
-    for way in REDUCTIONS:
-        info[way] = group.allreduce_scalar(best[way], op="max")
+    ways = {"flat": group, "hierarchical": hier}
+    info.update(time_alternatives(
+        group, {way: (lambda c=c: reduce_once(c, kind, blocking, buf, recv, counts))
+                for way, c in ways.items()}, repeats))
     info["choice"] = ("hierarchical" if info["hierarchical"] < (1 - margin) * info["flat"]
                       else "flat")
     if record is not None:

@@ -38,6 +38,7 @@ from typing import Any
 from ..backend import synchronize
 from ..comm import FlatComm, Handle
 from ..comm.buckets import GradientBuckets
+from ..comm.timing import time_alternatives
 from ..flat import Range, shard_ranges
 
 __all__ = ["OVERLAP_CHOICES", "PROBE_BUCKETS", "choose_overlap"]
@@ -125,16 +126,7 @@ def choose_overlap(dp: FlatComm, agree: FlatComm, ranges: list[Range], dtype: An
         buckets.flush()
         buckets.wait()
 
-    best = {"during": float("inf"), "after": float("inf")}
-    for round_ in range(repeats + 1):
-        for way, run in (("during", during), ("after", after)):
-            agree.barrier()
-            t0 = time.perf_counter()
-            run()
-            if round_:
-                best[way] = min(best[way], time.perf_counter() - t0)
-    for way in best:
-        info[way] = agree.allreduce_scalar(best[way], op="max")
+    info.update(time_alternatives(agree, {"during": during, "after": after}, repeats))
     info.update(reduction=reduction, compute=product * sum(counts), buckets=len(local))
     info["choice"] = bool(info["during"] < (1 - margin) * info["after"])
     if record is not None:

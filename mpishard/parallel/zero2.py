@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from ..comm import FlatComm, Handle
 from ..comm.hierarchical import choose as choose_reduction
+from ..comm.timing import reduce_once, time_alternatives
 from ..errors import MpiShardError
 from ..flat import Range, shard_ranges
 from ..protocols import Model
@@ -272,25 +272,9 @@ def choose_reduce_method(dp: FlatComm, elements: int, dtype: Any, xp: Any,
     buf = xp.zeros(max(elements, dp.size), dtype=dtype)
     counts = [len(s) for s in shard_ranges(buf.size, dp.size)]
     recv = xp.zeros(counts[dp.rank], dtype=dtype)
-    best = {method: float("inf") for method in REDUCE_METHODS}
-    # Rounds alternate the methods, so that a transient slowdown of the machine
-    # hits both alike; the first round warms up the algorithms and is dropped.
-    for round_ in range(repeats + 1):
-        for method in REDUCE_METHODS:
-            dp.barrier()
-            t0 = time.perf_counter()
-            if method == "allreduce":
-                if blocking:
-                    dp.Allreduce(buf, slot="probe")
-                else:
-                    dp.Iallreduce(buf, slot="probe").wait()
-            elif blocking:
-                dp.Reduce_scatter(buf, recv, counts, slot="probe")
-            else:
-                dp.Ireduce_scatter(buf, recv, counts, slot="probe").wait()
-            if round_:
-                best[method] = min(best[method], time.perf_counter() - t0)
-    times = {m: dp.allreduce_scalar(best[m], op="max") for m in REDUCE_METHODS}
+    times = time_alternatives(
+        dp, {m: (lambda m=m: reduce_once(dp, m, blocking, buf, recv, counts))
+             for m in REDUCE_METHODS}, repeats)
     if record is not None:
         record.update(times)
     return min(REDUCE_METHODS, key=lambda m: (times[m], m))

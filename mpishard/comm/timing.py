@@ -1,0 +1,54 @@
+"""Choosing between ways of communicating by measuring them, the same on every rank.
+
+``reduce_scatter`` or ``allreduce`` for ZeRO-2's buckets, flat or in two levels
+across nodes, reducing during the backward or after it: each is decided by
+:func:`time_alternatives`, one rule for all, so that every rank picks the same
+way and a transient slowdown of the machine hits every way alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .communicator import FlatComm
+
+__all__ = ["reduce_once", "time_alternatives"]
+
+
+def time_alternatives(group: FlatComm, ways: dict[str, Callable[[], Any]],
+                      repeats: int) -> dict[str, float]:
+    """Seconds of each way: the slowest rank's best of ``repeats`` rounds.
+
+    The rounds alternate the ways (each behind a barrier) after one warm-up round
+    that is not counted, and the result is the maximum over ranks, so every rank
+    returns the same numbers. Collective over ``group``.
+    """
+    best = {way: float("inf") for way in ways}
+    for round_ in range(repeats + 1):
+        for way, run in ways.items():
+            group.barrier()
+            t0 = time.perf_counter()
+            run()
+            if round_:
+                best[way] = min(best[way], time.perf_counter() - t0)
+    return {way: group.allreduce_scalar(best[way], op="max") for way in ways}
+
+
+def reduce_once(comm: Any, kind: str, blocking: bool, buf: Any, recv: Any,
+                counts: list[int]) -> None:
+    """One gradient reduction of ``buf`` as the strategies make it, for timing:
+    ``kind`` ``"allreduce"`` (in place) or ``"reduce_scatter"`` (into ``recv``, this
+    rank's ``counts`` entry), blocking or non-blocking and waited for. ``comm`` is a
+    :class:`FlatComm` or anything with its buffer calls. Collective over ``comm``.
+    """
+    if kind == "allreduce":
+        if blocking:
+            comm.Allreduce(buf, slot="probe")
+        else:
+            comm.Iallreduce(buf, slot="probe").wait()
+    elif blocking:
+        comm.Reduce_scatter(buf, recv, counts, slot="probe")
+    else:
+        comm.Ireduce_scatter(buf, recv, counts, slot="probe").wait()
