@@ -38,6 +38,9 @@ MODULES = [
     "mpishard.train",
     "mpishard.comm",
     "mpishard.comm.hierarchical",
+    "mpishard.comm.ulfm",
+    "mpishard.parallel.recovery",
+    "mpishard.reprosum",
     "mpishard.errors",
 ]
 

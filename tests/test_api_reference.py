@@ -21,5 +21,9 @@ def test_api_reference_documents_what_the_readme_names():
                  "mpishard.strategies.DDPOptimizer(", "mpishard.ShardingConfiguration(",
                  "abort_on_exception", "mpishard.data.BatchStream(",
                  "mpishard.data.LocalDataset(", "mpishard.comm.NodeMap(",
-                 "mpishard.comm.hierarchical.choose(", "allow_tensor_across_nodes"):
+                 "mpishard.comm.hierarchical.choose(", "allow_tensor_across_nodes",
+                 "reproducible", "unit_rows", "fault_tolerance", "evict_stuck",
+                 "mpishard.comm.ulfm.available(", "mpishard.comm.ulfm.leave(",
+                 "mpishard.parallel.recovery.recover_in_place(", "InexactRecoveryWarning",
+                 "buddy_copies", "recoveries", "overlap_timings", "mpishard.reprosum"):
         assert name in text, name
