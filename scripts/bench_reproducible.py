@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
-_ranks = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1")))
-_threads = str(max(1, (os.cpu_count() or 1) // _ranks))
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, _threads)
-
 import numpy as np  # noqa: E402
+
+# Sets each rank's BLAS threads before NumPy loads, and names the models.
+from bench_strategies import BATCH_PER_RANK, MODELS  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpishard.reprosum as reprosum  # noqa: E402
@@ -49,11 +46,6 @@ from mpishard.optim import Adam  # noqa: E402
 from mpishard.parallel.repro import unit_rows_for  # noqa: E402
 from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer  # noqa: E402
 
-MODELS = {
-    "small": [784, 1024, 1024, 10],            # ~1.9M parameters
-    "large": [1024, 4096, 4096, 1024, 10],     # ~25M parameters
-}
-BATCH_PER_RANK = 64      # bench_strategies.py's
 PARTS = ("forward_backward", "deposit", "communication", "optimizer", "gather")
 
 

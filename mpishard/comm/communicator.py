@@ -282,6 +282,15 @@ class FlatComm:
         else:
             self.comm.Reduce_scatter(sendbuf, recvbuf, counts, op=MPI.SUM)
 
+    def Iallgatherv(self, buf: Any, counts: Sequence[int], slot: Any = "allgather",
+                    finish: Callable[[], None] | None = None) -> Handle:
+        """Start the in-place :meth:`Allgatherv` of ``buf`` (each rank's piece
+        already sits in ``buf``). Collective over the group."""
+        host, copy_back = self._host(buf, slot)
+        request = self.comm.Iallgatherv(
+            MPI.IN_PLACE, [host, ([int(c) for c in counts], _displacements(counts))])
+        return Handle(self, request, "Iallgatherv", _chain(copy_back, finish))
+
     def Allgatherv(self, buf: Any, counts: Sequence[int], slot: Any = "allgather",
                    sendbuf: Any = None) -> None:
         """Gather into ``buf``: rank ``i`` contributes ``counts[i]`` elements, placed
@@ -289,8 +298,7 @@ class FlatComm:
         rank's piece already sits in ``buf``) unless ``sendbuf`` is given.
         Collective over the group."""
         host, copy_back = self._host(buf, slot)
-        displs = np.concatenate(([0], np.cumsum(counts[:-1]))).astype(int).tolist()
-        spec = [host, (list(counts), displs)]
+        spec = [host, (list(counts), _displacements(counts))]
         send = MPI.IN_PLACE
         if sendbuf is not None:
             send, _ = self._host(sendbuf, (slot, "send"))

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from ..backend import array_namespace
 from ..flat import shard_ranges
@@ -113,7 +112,7 @@ class HierarchicalComm:
         stages = [
             lambda: self.node.Ireduce_scatter(buf, piece, counts, slot=(slot, "rs")),
             lambda: self.cross.Iallreduce(piece, slot=(slot, "x"), finish=place),
-            lambda: _iallgatherv(self.gather, buf, counts, (slot, "ag"), finish),
+            lambda: self.gather.Iallgatherv(buf, counts, (slot, "ag"), finish),
         ]
         return self._start(stages)
 
@@ -282,22 +281,6 @@ def _pack_plan(counts: list[int], rank_at: dict[tuple[int, int], int], nodes: in
             size += counts[r]
         columns.append(size)
     return moves, columns
-
-
-def _iallgatherv(comm: FlatComm, buf: Any, counts: list[int], slot: Any,
-                 finish: Callable[[], None] | None) -> Handle:
-    """Non-blocking in-place Allgatherv of ``buf`` over ``comm`` (FlatComm has the
-    blocking one only)."""
-    host, copy_back = comm._host(buf, slot)
-    displs = np.concatenate(([0], np.cumsum(counts[:-1]))).astype(int).tolist()
-    request = comm.comm.Iallgatherv(MPI.IN_PLACE, [host, (list(counts), displs)])
-    steps = [s for s in (copy_back, finish) if s is not None]
-
-    def run() -> None:
-        for step in steps:
-            step()
-
-    return Handle(comm, request, "Iallgatherv", run if steps else None)
 
 
 def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "allreduce",
