@@ -46,17 +46,24 @@ from mpishard.nn import MLP
 from mpishard.optim import Adam
 from mpishard.train import StopRequest
 import mpishard.checkpoint.files as files
+import mpishard.train.loop as loop
+from mpishard.parallel.shardcopy import ShardBuddy
 
 assert ulfm.available()[0], ulfm.available()[1]
-PHASE, VICTIM, KILL, STRATEGY, EVERY = {phase!r}, {victim}, {kill}, {strategy!r}, {every}
+PHASE, VICTIMS, KILL, STRATEGY, EVERY = {phase!r}, {victims}, {kill}, {strategy!r}, {every}
 MIN = {min_workers}
-REPRO = {repro}
+REPRO, BUDDY = {repro}, {buddy}
 EPOCHS, ROWS = 4, 24
-AFTER = PHASE in ("stop", "checkpoint")    # the victim dies after completing step KILL
+# The victims die after completing step KILL (every survivor completed it too), or
+# inside it: the survivors then go on from the step before (ZeRO-2 with a death in
+# the Allgatherv or the buddy exchange too: the survivors that had updated take their
+# shards back; without buddy copies: rolled back to the newest checkpoint).
+AFTER = PHASE in ("stop", "checkpoint", "evaluation")
 AGREED = KILL if AFTER else KILL - 1
-if STRATEGY == "zero2" and PHASE == "allgather":
-    AGREED = (AGREED // EVERY) * EVERY          # rolled back to the newest checkpoint
+if STRATEGY == "zero2" and PHASE in ("allgather", "exchange") and not BUDDY:
+    AGREED = (AGREED // EVERY) * EVERY
 rank = MPI.COMM_WORLD.rank
+VICTIM = rank if rank in VICTIMS else VICTIMS[0]
 rng = np.random.default_rng(0)
 X = rng.standard_normal((8 * ROWS, 5))
 Y = rng.integers(0, 3, 8 * ROWS)
@@ -75,7 +82,8 @@ def make(comm, model):
 
 
 def train(opt, model, **kw):
-    return opt.optimize(model, (X, Y), epochs=EPOCHS, batch_size=ROWS, seed=3, **kw)
+    return opt.optimize(model, (X, Y), epochs=EPOCHS, batch_size=ROWS, seed=3,
+                        buddy_copies=BUDDY, **kw)
 
 
 # --- the run that loses no rank (reproducible mode: the same bits as the others) ---
@@ -89,8 +97,8 @@ train(opt, ref, max_steps=AGREED)
 ref_dir = base + "-ref"
 keeper = CheckpointManager(ref_dir, keep=1)
 keeper.save(ref, opt)
-two = MPI.COMM_WORLD.Split(MPI.UNDEFINED if rank == VICTIM else 0, rank)
-if rank != VICTIM:
+two = MPI.COMM_WORLD.Split(MPI.UNDEFINED if rank in VICTIMS else 0, rank)
+if rank not in VICTIMS:
     model2 = fresh()
     opt2 = make(two, model2)
     keeper.load_latest(model2, opt2)
@@ -110,7 +118,7 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-if rank == VICTIM:
+if rank in VICTIMS:
     dp = opt.dp
     if PHASE == "forward":
         real = model.forward_backward
@@ -143,6 +151,20 @@ if rank == VICTIM:
                 die()
             return real_g(self, *a, **k)
         type(dp).Allgatherv = Allgatherv
+    elif PHASE == "exchange":             # ZeRO-2: after the step, in the buddy exchange
+        real_x = ShardBuddy.exchange
+        def exchange(self):
+            if opt.step_count == KILL:
+                die()
+            return real_x(self)
+        ShardBuddy.exchange = exchange
+    elif PHASE == "evaluation":           # at the end of the epoch of step KILL
+        real_e = loop.evaluate
+        def evaluate(*a, **k):
+            if opt.step_count == KILL:
+                die()
+            return real_e(*a, **k)
+        loop.evaluate = evaluate
     elif PHASE == "stop":
         real_s = StopRequest.agree
         def agree(self, world, also=None):
@@ -161,6 +183,8 @@ if rank == VICTIM:
 metrics = base + "-metrics.jsonl"
 options = dict(checkpoints=manager, checkpoint_every=EVERY, metrics_path=metrics, log_every=1,
                print_every=1, stop=StopRequest(signals=()), min_workers=MIN)
+if PHASE == "evaluation":
+    options["validation"] = (X[:30], Y[:30])
 result = train(opt, model, **options)
 if opt.config.world.rank == 0:
     events = [json.loads(line) for line in open(metrics)]
@@ -179,46 +203,71 @@ ulfm.leave(0)      # not MPI_Finalize: it may wait for the dead rank (ompi#11404
 """
 
 
-def run_job(tmp_path, phase, strategy="ddp", every=3, min_workers=1, seed=0, repro=False):
+def run_job(tmp_path, phase, strategy="ddp", every=3, min_workers=1, seed=0, repro=False,
+            ranks=3, lose=1, buddy=True):
+    """The job above at ``ranks`` ranks, ``lose`` of them (a seeded draw; two
+    are never neighbours) killed at a seeded step in ``phase``; returns
+    ``(job, victims, kill)``."""
     _ft_or_skip()
     rng = np.random.default_rng(seed)
-    victim = int(rng.integers(0, 3))
+    first = int(rng.integers(0, ranks))
+    victims = sorted({first, (first + 2) % ranks} if lose == 2 else {first})
     kill = int(rng.integers(4, 12))          # a step of epoch 0 or 1 (8 steps each)
     if phase == "checkpoint":                # a step with a save (the second one or later)
         kill = -(-kill // every) * every
-    code = JOB.format(phase=phase, victim=victim, kill=kill, strategy=strategy, every=every,
-                      min_workers=min_workers, repro=repro)
+    if phase == "evaluation":                # the end of epoch 0
+        kill = 8
+    code = JOB.format(phase=phase, victims=victims, kill=kill, strategy=strategy, every=every,
+                      min_workers=min_workers, repro=repro, buddy=buddy)
     code = code.replace('tempfile.gettempdir() + "/ulfm-train-"', repr(str(tmp_path) + "/j"))
-    job = ulfm_job(3, code, timeout=90)
-    return job, victim, kill
+    job = ulfm_job(ranks, code, timeout=120)
+    return job, victims, kill
 
 
-@pytest.mark.parametrize("phase,seed", [("forward", 1), ("bucket", 2), ("step", 3),
-                                        ("stop", 4), ("checkpoint", 5)])
-def test_a_rank_killed_inside_optimize_is_recovered_exactly(tmp_path, phase, seed):
-    job, victim, kill = run_job(tmp_path, phase, seed=seed)
+#: The kill matrix: (strategy, phase, seed, ranks, ranks killed at once). Each
+#: point draws its victims and step from its seed.
+MATRIX = [("ddp", "forward", 1, 3, 1), ("ddp", "bucket", 2, 3, 1), ("ddp", "step", 3, 3, 1),
+          ("ddp", "stop", 4, 3, 1), ("ddp", "checkpoint", 5, 3, 1),
+          ("ddp", "evaluation", 16, 3, 1), ("ddp", "forward", 18, 4, 2),
+          ("zero2", "forward", 11, 3, 1), ("zero2", "bucket", 12, 3, 1),
+          ("zero2", "allgather", 13, 3, 1), ("zero2", "exchange", 14, 3, 1),
+          ("zero2", "checkpoint", 15, 3, 1), ("zero2", "evaluation", 17, 3, 1),
+          ("zero2", "allgather", 19, 4, 2)]
+
+
+@pytest.mark.parametrize("strategy,phase,seed,ranks,lose", MATRIX,
+                         ids=[f"{m[0]}-{m[1]}-{m[3]}ranks-lose{m[4]}" for m in MATRIX])
+def test_a_rank_killed_inside_optimize_is_recovered_exactly(tmp_path, strategy, phase, seed,
+                                                            ranks, lose):
+    job, victims, kill = run_job(tmp_path, phase, strategy=strategy, seed=seed, ranks=ranks,
+                                 lose=lose)
     out = job.stdout
     match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
     assert match, out
     result = json.loads(match.group(1))
-    agreed = kill if phase in ("stop", "checkpoint") else kill - 1
-    assert f"KILL {victim} step " in out, out
+    agreed = kill if phase in ("stop", "checkpoint", "evaluation") else kill - 1
+    for victim in victims:
+        assert f"KILL {victim} step " in out, out
+    left = ranks - lose
     [rec] = result["recoveries"]
-    assert rec["lost_ranks"] == [victim] and rec["world_size"] == 2, rec
+    assert rec["lost_ranks"] == victims and rec["world_size"] == left, rec
     assert rec["step"] == agreed, (rec, kill)
-    print(f"{phase}: recovery {rec['seconds']:.4f} s (shrink+agree {rec['shrink_seconds']:.4f} "
-          f"s), vs reference {result['vs_reference']:.2e}")
-    assert result["steps"] == 32 and result["world_size"] == 2, result   # 4 epochs x 8
+    assert rec["from"] == ("buddy" if strategy == "zero2" else "survivor"), rec
+    print(f"{strategy} {phase}: recovery {rec['seconds']:.4f} s (shrink+agree "
+          f"{rec['shrink_seconds']:.4f} s), vs reference {result['vs_reference']:.2e}")
+    assert result["steps"] == 32 and result["world_size"] == left, result   # 4 epochs x 8
     assert result["losses"] == 32 and result["last_step"] == 32, result
     assert result["allclose_reference"], result
     [record] = result["recovered_records"]
-    assert record["lost_ranks"] == [victim] and record["step"] == agreed, record
-    assert re.search(rf"train recovered at step {agreed}: lost world rank\(s\) {victim}, "
-                     rf"going on with 2", out), out
+    assert record["lost_ranks"] == victims and record["step"] == agreed, record
+    lost = ", ".join(map(str, victims))
+    assert re.search(rf"train recovered at step {agreed}: lost world rank\(s\) {lost}, "
+                     rf"going on with {left}", out), out
     if phase == "checkpoint":
         # The interrupted save is done again after the recovery; the one before stays.
         assert kill in result["checkpoints"] and kill - 3 in result["checkpoints"], result
         assert not list(tmp_path.glob("jx-run/*.tmp-*")), list(tmp_path.iterdir())
+    assert "InexactRecoveryWarning" not in out, out
     assert job.returncode in (0, None), out
     assert "Traceback" not in out, out
 
@@ -227,7 +276,7 @@ def test_zero2_recovers_the_lost_shard_from_its_buddy_copy(tmp_path):
     # Killed in the step's Allreduce: the left neighbour's copy of the lost rank's
     # optimizer-state shard holds the agreed step; the state is put together and
     # resharded over the survivors; exact, nothing lost, nothing read from disk.
-    job, victim, kill = run_job(tmp_path, "step", strategy="zero2", seed=9)
+    job, [victim], kill = run_job(tmp_path, "step", strategy="zero2", seed=9)
     out = job.stdout
     match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
     assert match, out
@@ -244,11 +293,12 @@ def test_zero2_recovers_the_lost_shard_from_its_buddy_copy(tmp_path):
 
 
 def test_zero2_rolls_back_to_its_newest_checkpoint_over_the_survivors(tmp_path):
-    # Killed in ZeRO-2's Allgatherv of the parameters (after the update of step KILL):
-    # the survivors' shards are past the step their copies hold and the lost shard's
-    # update is gone; the survivors roll back to the newest checkpoint, resharded
-    # over 2, with a warning, and train the steps since again.
-    job, victim, kill = run_job(tmp_path, "allgather", strategy="zero2", seed=6)
+    # Without buddy copies (buddy_copies=False), killed in ZeRO-2's Allgatherv of the
+    # parameters (after the update of step KILL): the lost shard's state is gone; the
+    # survivors roll back to the newest checkpoint, resharded over 2, with a warning,
+    # and train the steps since again.
+    job, [victim], kill = run_job(tmp_path, "allgather", strategy="zero2", seed=6,
+                                  buddy=False)
     out = job.stdout
     match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
     assert match, out
@@ -265,7 +315,7 @@ def test_zero2_rolls_back_to_its_newest_checkpoint_over_the_survivors(tmp_path):
 
 
 def test_fewer_survivors_than_min_workers_checkpoint_and_exit_75(tmp_path):
-    job, victim, kill = run_job(tmp_path, "step", min_workers=3, seed=7)
+    job, [victim], kill = run_job(tmp_path, "step", min_workers=3, seed=7)
     out = job.stdout
     assert "RESULT" not in out, out
     line = re.findall(r"^\[mpishard\] train: .*$", out, re.MULTILINE)
@@ -380,11 +430,14 @@ def test_fault_tolerance_option_of_mpishard_train(tmp_path):
         plan_runs({"config": str(toml)}, 1)
 
 
-def test_reproducible_mode_ends_with_the_bits_of_the_run_that_lost_no_rank(tmp_path):
+@pytest.mark.parametrize("strategy,phase", [("ddp", "step"), ("zero2", "allgather")])
+def test_reproducible_mode_ends_with_the_bits_of_the_run_that_lost_no_rank(tmp_path, strategy,
+                                                                         phase):
     # ShardingConfiguration(reproducible=True): every sum is independent of the number
-    # of ranks, so the run that lost rank VICTIM in the step's Allreduce and went on
-    # over 2 ends bit for bit where the 3-rank run that lost nothing ends.
-    job, victim, kill = run_job(tmp_path, "step", seed=8, repro=True)
+    # of ranks, so the run that lost rank VICTIM (in DDP's step Allreduce; in ZeRO-2's
+    # parameter Allgatherv, after some ranks had updated) and went on over 2 ends bit
+    # for bit where the 3-rank run that lost nothing ends.
+    job, [victim], kill = run_job(tmp_path, phase, strategy=strategy, seed=8, repro=True)
     out = job.stdout
     match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
     assert match, out

@@ -36,7 +36,7 @@ __all__ = ["OPS", "FlatComm", "Handle", "from_comm", "world_rank_and_host"]
 
 #: Reduction operations by name, for the calls on Python values and buffers.
 OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "land": MPI.LAND, "lor": MPI.LOR,
-       "prod": MPI.PROD}
+       "prod": MPI.PROD, "bor": MPI.BOR}
 
 
 def _op(op: str | MPI.Op) -> MPI.Op:

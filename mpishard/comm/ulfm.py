@@ -137,16 +137,28 @@ class Recovery:
     seconds: float
 
 
-def recover(world: FlatComm, step: int, *, name: str | None = None) -> Recovery:
+def recover(world: FlatComm, step: int, *, name: str | None = None,
+            also: Iterable[FlatComm | None] = ()) -> Recovery:
     """Revoke ``world``, shrink it to the survivors and agree on the last
     completed step (``step``: this rank's). Collective over the survivors of
     ``world``; every survivor must call it (a survivor still waiting in a call
     over ``world`` leaves it with ``ERR_REVOKED`` once one has revoked it).
     ``world`` itself is left revoked: free it.
 
+    ``also``: the other communicators of the job (data, tensor and pipeline groups,
+    ...), revoked too, first: a rank waiting on one that holds no dead rank (a
+    pipeline receive from a live neighbour that has gone on to recover) leaves
+    that call with ``ERR_REVOKED`` and comes here as well.
+
     A further failure during the recovery starts it again over the new survivors.
     """
     t0 = time.perf_counter()
+    for other in also:
+        if other is not None and other.comm not in (world.comm, MPI.COMM_NULL):
+            try:
+                other.comm.Revoke()
+            except MPI.Exception:
+                pass                               # revoked already, or freed
     comm = world.comm
     before = comm.Get_group()
     while True:

@@ -84,6 +84,9 @@ class ZeRO2Optimizer(DataParallelOptimizer):
         # slot, made on first need: only accumulation uses them).
         self._scratch: list[Any] | None = None
         self._repro_words: WordShards | None = None    # reproducible mode, on first need
+        # keep_previous_step(): this rank's shard as it was before the last update.
+        self.previous: dict[str, Any] | None = None
+        self.previous_step = -1
         if self.bucketed:
             buckets.allocate(xp, dtype)
             model.bind_gradients(buckets.gradient_views(self.layout))
@@ -203,7 +206,26 @@ class ZeRO2Optimizer(DataParallelOptimizer):
     def _norm_vector(self) -> Any:
         return self.shard_grad
 
+    def keep_previous_step(self) -> None:
+        """From now on, keep a copy of this rank's shard of the parameters and of
+        the optimizer state as they were before each update (:attr:`previous`,
+        keys ``"params"`` and the state's; :attr:`previous_step`: the step they
+        hold), so that a step interrupted after some ranks updated (a rank lost
+        in the parameter ``Allgatherv``) can be undone exactly
+        (:mod:`mpishard.parallel.shardcopy`). Costs one more shard of the
+        parameters and of the state, and one copy of them per step. Local."""
+        if self.previous is None:
+            xp = self.xp
+            self.previous = {"params": xp.empty_like(self._params_shard),
+                             **{name: xp.empty_like(v) for name, v in self.state.items()}}
+            self._peak_bytes = max(self._peak_bytes, self._current_bytes())
+
     def _update(self, lr: float, grad_scale: float) -> None:
+        if self.previous is not None:   # step_count is this update's already
+            self.previous["params"][...] = self._params_shard
+            for name, value in self.state.items():
+                self.previous[name][...] = value
+            self.previous_step = self.step_count - 1
         if len(self.shard):
             self.optimizer.update(self._params_shard, self.shard_grad, self.state,
                                   self.step_count, lr, grad_scale)
@@ -219,6 +241,8 @@ class ZeRO2Optimizer(DataParallelOptimizer):
         if model.grads is not None:
             grads += model.grads.nbytes
         buffers = _nbytes(self._scratch) if self._scratch is not None else 0
+        if self.previous is not None:
+            buffers += _nbytes(self.previous.values())
         return {"parameters": int(model.params.nbytes), "gradients": int(grads),
                 "optimizer_state": _nbytes(self.state.values()), "buffers": int(buffers)}
 

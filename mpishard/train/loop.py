@@ -128,11 +128,13 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
             position's (``ElasticOptimizer`` under ``scale-lr``).
         min_workers: with fault tolerance on, fewer survivors than this after a
             lost rank write a checkpoint and end the process with 75 (see below).
-        buddy_copies: with fault tolerance on and ZeRO-2, each rank keeps a copy
-            of its right neighbour's optimizer-state shard, refreshed after every
-            step (:class:`~mpishard.parallel.recovery.ShardBuddy`: one more
-            shard of memory, one neighbour exchange a step), so a lost shard is
-            recovered exactly; False: a lost shard rolls back to the newest checkpoint.
+        buddy_copies: with fault tolerance on and ZeRO-2, each rank keeps copies
+            of its right neighbour's shard (parameters and optimizer state) and of
+            its own from before the update, refreshed every step
+            (:class:`~mpishard.parallel.shardcopy.ShardBuddy`: Adam, three
+            shards of parameters and state; one neighbour exchange of the state a
+            step), so a rank lost at any point of a step is recovered exactly;
+            False: a lost shard rolls back to the newest checkpoint.
 
     **A lost rank** (fault tolerance on: ``ShardingConfiguration(fault_tolerance=)``
     under ``mpirun --with-ft ulfm``; :mod:`mpishard.comm.ulfm`): a rank that dies
@@ -141,8 +143,10 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
     evaluation) makes the others' call fail; they rebuild the strategy over the
     survivors (:func:`~mpishard.parallel.recovery.recover_in_place`: DDP from
     the survivor with the newest step, nothing lost; ZeRO-2 from the buddy
-    copies, or rolled back to the newest checkpoint), re-split the global
-    batch over themselves and go on.
+    copies, at the last step every survivor completed or the one before it,
+    nothing lost, or else rolled back to the newest checkpoint), re-split the
+    global batch over themselves and go on (a step that was interrupted is
+    trained again, over the survivors).
     Each recovery is a ``recovered`` metrics record, a line on rank 0 (with
     ``progress`` or ``print_every``) and an entry of ``result.recoveries``;
     ``strategy.config`` is then the survivors' configuration. The process
@@ -200,6 +204,9 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
         return ShardBuddy(strategy) if keep else None
 
     buddy = new_buddy()
+    # The data position after each of the last two steps, to go back to one of them.
+    marks: dict[int, tuple[int, dict[str, int]]] = {
+        strategy.step_count: (strategy.skipped_steps, dict(position))}
 
     start_step = strategy.step_count
     result = TrainResult(first_step=start_step, last_step=start_step)
@@ -275,6 +282,8 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
                         # grown data joins at an epoch
                         position["num_samples"] = sampler.num_samples
                     step = strategy.step_count
+                    marks[step] = (strategy.skipped_steps, dict(position))
+                    marks.pop(step - 2, None)
                     result.losses.append(loss)
                     result.steps += 1
                     result.samples += rows
@@ -351,7 +360,7 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
                     raise
                 failure = exc
             # --- a rank died: go on over the survivors ---------------------------
-            event = _recover(strategy, failure, checkpoints, label, buddy)
+            event = _recover(strategy, failure, checkpoints, label, buddy, marks)
             if buddy is not None:   # what the copies cost so far
                 event["buddy_bytes"], event["buddy_seconds"] = buddy.nbytes, buddy.seconds
             buddy = new_buddy()
@@ -362,6 +371,7 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
             state, position = open_data(True)
             strategy.data_position = position
             step = strategy.step_count
+            marks = {step: (strategy.skipped_steps, dict(position))}
             # What every survivor reports: the steps up to the agreed one.
             kept = max(0, step - start_step)
             undone = result.last_step != step   # this rank's figures include other steps
@@ -413,7 +423,7 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
 
 
 def _recover(strategy: Any, exc: BaseException, checkpoints: Any, label: str,
-             buddy: ShardBuddy | None) -> dict[str, Any]:
+             buddy: ShardBuddy | None, marks: dict[int, Any]) -> dict[str, Any]:
     """After a failure that says a rank died: the strategy rebuilt over the
     survivors, and the ``recovered`` event; or, where that cannot be done in
     place, one line on the survivors' rank 0 and the end of the process with
@@ -426,7 +436,8 @@ def _recover(strategy: Any, exc: BaseException, checkpoints: Any, label: str,
                f"in place ({why}); exiting with {EXIT_STOPPED} to be relaunched from the "
                f"newest checkpoint")
     try:
-        return recover_in_place(strategy, exc, checkpoints=checkpoints, buddy=buddy)[1]
+        return recover_in_place(strategy, exc, checkpoints=checkpoints, buddy=buddy,
+                                marks=marks)[1]
     except MpiShardError as error:   # ZeRO-2: no copy of the lost shard, no checkpoint
         if not hasattr(error, "first_survivor"):
             raise
