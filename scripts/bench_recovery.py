@@ -11,6 +11,10 @@ relaunched workers under the agent), and the steps lost (steps done again).
   :func:`mpishard.parallel.recovery.recover_in_place` (revoke, shrink, agree on
   the last completed step, configuration and DDP rebuilt over the survivors), and
   go on from that step.
+* ``ulfm-zero2``: the same with ZeRO-2 and its buddy copies
+  (:class:`mpishard.parallel.shardcopy.ShardBuddy`), the phase drawn from between
+  steps, inside the backward, and inside the parameter ``Allgatherv`` (after the
+  other ranks updated their shards: they take them back and train the step again).
 * ``agent``: ``mpishard run`` over Debian's Open MPI 4.1 with ``tests/elastic_worker.py``
   (checkpoint every 4 steps); it relaunches at one worker fewer, which resume from
   the newest checkpoint.
@@ -44,10 +48,11 @@ from mpishard.comm import ulfm
 from mpishard.data import rank_rows
 from mpishard.nn import MLP
 from mpishard.optim import Adam
-from mpishard.parallel import DDPOptimizer
+from mpishard.parallel import DDPOptimizer, ZeRO2Optimizer
 from mpishard.parallel.recovery import recover_in_place
+from mpishard.parallel.shardcopy import ShardBuddy
 
-STEPS, KILL_AT, WHERE = {steps}, {kill_at}, {where!r}
+STEPS, KILL_AT, WHERE, ZERO2 = {steps}, {kill_at}, {where!r}, {zero2}
 rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
 victim = size - 1
 rng = np.random.default_rng(0)
@@ -61,7 +66,19 @@ def config_over(comm):
 
 model = MLP([16, 64, 64, 4], activation="tanh", dtype=np.float64, seed=1)
 config = config_over(MPI.COMM_WORLD)
-ddp = DDPOptimizer(Adam(lr=1e-3), config, model=model)
+if ZERO2:
+    ddp = ZeRO2Optimizer(Adam(lr=1e-3), config, model=model, reduce_method="allreduce")
+    buddy = ShardBuddy(ddp)
+else:
+    ddp, buddy = DDPOptimizer(Adam(lr=1e-3), config, model=model), None
+if rank == victim and WHERE == "allgather":
+    real_g = type(ddp.dp).Allgatherv
+    def Allgatherv(self, *a, **k):
+        if ddp.step_count == KILL_AT + 1:
+            print(f"KILL {{time.time():.6f}}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_g(self, *a, **k)
+    type(ddp.dp).Allgatherv = Allgatherv
 if rank == victim and WHERE == "backward":
     real = model.forward_backward
     def dying(*a, **k):
@@ -79,12 +96,15 @@ while s < STEPS:
             os.kill(os.getpid(), signal.SIGKILL)
         lo, hi = rank_rows(48, ddp.dp.size, ddp.dp.rank)
         ddp.train_step(X[s][lo:hi], Y[s][lo:hi])
+        if buddy is not None:
+            buddy.exchange()
         s += 1
         if recovered is not None and "next" not in recovered:
             recovered["next"] = time.time()
     except MPI.Exception as exc:
-        done_before = ddp.step_count
-        ddp, event = recover_in_place(ddp, exc)
+        done_before = s       # steps completed here (a step interrupted is not one)
+        ddp, event = recover_in_place(ddp, exc, buddy=buddy)
+        buddy = ShardBuddy(ddp) if buddy is not None else None
         s = ddp.step_count
         recovered = {{"step": s, "shrink": event["shrink_seconds"], "done_before": done_before,
                      "rebuild": event["seconds"]}}
@@ -109,9 +129,10 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 180) -> str:
     return out
 
 
-def _ulfm_trial(ft: Path, n: int, kill_at: int, where: str, steps: int) -> dict:
+def _ulfm_trial(ft: Path, n: int, kill_at: int, where: str, steps: int,
+                zero2: bool = False) -> dict:
     env = dict(os.environ, OMPI_MCA_mpi_yield_when_idle="1")
-    code = ULFM_JOB.format(steps=steps, kill_at=kill_at, where=where)
+    code = ULFM_JOB.format(steps=steps, kill_at=kill_at, where=where, zero2=zero2)
     out = _run([str(ft / "bin" / "mpirun"), "--with-ft", "ulfm", "--oversubscribe", "-n", str(n),
                 str(ft / "bin" / "python"), "-c", code], env)
     kill = float(re.search(r"KILL (\d+\.\d+)", out).group(1))
@@ -145,7 +166,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--trials", type=int, default=10)
-    p.add_argument("--runtimes", nargs="+", default=["ulfm", "agent"])
+    p.add_argument("--runtimes", nargs="+", default=["ulfm", "ulfm-zero2", "agent"])
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--ft-venv", default=str(REPO / ".venv-ft"))
     args = p.parse_args()
@@ -153,18 +174,20 @@ def main() -> None:
     ft = Path(args.ft_venv)
     for n in args.sizes:
         for runtime in args.runtimes:
-            if runtime == "ulfm" and not (ft / "bin" / "mpirun").exists():
-                print(json.dumps({"bench": "recovery", "runtime": "ulfm", "ranks": n,
+            if runtime.startswith("ulfm") and not (ft / "bin" / "mpirun").exists():
+                print(json.dumps({"bench": "recovery", "runtime": runtime, "ranks": n,
                                   "skipped": f"no {ft} (bash scripts/setup.sh --ft)"}))
                 continue
             trials, failed = [], []
             t0 = time.time()
             for _ in range(args.trials):
                 kill_at = rng.randrange(5, 14)
-                where = rng.choice(["between", "backward"])
+                where = rng.choice(["between", "backward"] + (
+                    ["allgather"] if runtime == "ulfm-zero2" else []))
                 try:
-                    trials.append(_ulfm_trial(ft, n, kill_at, where, 16) if runtime == "ulfm"
-                                  else _agent_trial(n, kill_at))
+                    trials.append(_ulfm_trial(ft, n, kill_at, where, 16,
+                                              zero2=runtime == "ulfm-zero2")
+                                  if runtime.startswith("ulfm") else _agent_trial(n, kill_at))
                 except (RuntimeError, OSError, AttributeError, ValueError) as exc:
                     failed.append(f"kill at {kill_at} ({where}): {exc}"[:300])
             if not trials:
@@ -178,7 +201,7 @@ def main() -> None:
                       "max_s": round(max(seconds), 4),
                       "steps_lost_max": max(t["lost"] for t in trials),
                       "wall_s": round(time.time() - t0, 1)}
-            if runtime == "ulfm":
+            if runtime.startswith("ulfm"):
                 record["shrink_agree_median_s"] = round(
                     statistics.median(t["shrink"] for t in trials), 4)
                 record["recover_in_place_median_s"] = round(

@@ -12,7 +12,9 @@ and why, the ranks keep an out-of-band record in a per-job directory:
   :func:`note_after` seconds (written only for such slow waits, so the step loop
   pays nothing; removed when the wait ends);
 * ``stack-R.txt``: where ``faulthandler`` writes this rank's Python stack (every
-  thread) when it receives :data:`STACK_SIGNAL`.
+  thread) when it receives :data:`STACK_SIGNAL`, and where the rank's own
+  watchdog writes it when the rank makes no progress (:func:`watch`: a rank that
+  another host cannot signal shows its stack itself).
 
 At the timeout the waiting rank reads its group's records (:func:`diagnose`): a
 member with no ``wait`` record over the same group did not arrive. A member on this
@@ -22,7 +24,10 @@ died; otherwise it is sent :data:`STACK_SIGNAL` and its stack is read back. The
 directory is ``MPISHARD_JOB_DIR`` when set (the elastic agent sets it per launch),
 else a folder under the temporary directory named by world rank 0's host and pid.
 Members on another host are named from the pid and host gathered at registration;
-their records are read where the directory is shared.
+their records are read where the directory is shared (a cluster's shared file
+system, ``MPISHARD_JOB_DIR``): there a running member's stack is the one its own
+watchdog wrote (``Timeout (0:00:03)!`` then the stack), since no signal reaches
+it; where the directory is not shared the message says on which host to read it.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from mpi4py import MPI
 
 __all__ = ["STACK_SIGNAL", "JobRecord", "describe_members", "diagnose", "evict", "job",
            "forget", "note_abort", "note_after", "note_wait", "process_state", "register",
-           "unnote_wait"]
+           "unnote_wait", "watch", "watch_after"]
 
 #: The signal that makes a registered rank write its Python stack. A real-time
 #: signal where there is one: SIGUSR1 is the elastic agent's "checkpoint and stop"
@@ -171,6 +176,31 @@ def _read(path: str) -> dict | None:
         return None
 
 
+def watch_after(timeout: float) -> float:
+    """Seconds without progress after which a rank's watchdog writes its own stack:
+    three quarters of the timeout, so that the stack is there when the waiting
+    ranks' timeout runs out."""
+    return 0.75 * timeout
+
+
+def watch(timeout: float | None) -> None:
+    """Arm this rank's own watchdog again (the strategies call it at each
+    ``backward``): unless it is armed again within :func:`watch_after` of
+    ``timeout`` seconds, ``faulthandler`` writes every thread's Python stack to
+    ``stack-R.txt``, once, from a thread of its own: a rank stuck in an endless
+    loop or a deadlock of its own shows where, also to ranks on another host,
+    which cannot signal it. ``None``: disarm. One thread start per call, so
+    never per collective. It takes over ``faulthandler.dump_traceback_later``
+    for the process. Local."""
+    if _job is None or _job.stack_file is None:
+        return
+    if timeout is None:
+        faulthandler.cancel_dump_traceback_later()
+        return
+    faulthandler.dump_traceback_later(watch_after(timeout), repeat=False,
+                                      file=_job.stack_file)
+
+
 def note_after(timeout: float) -> float:
     """Seconds a wait lasts before it is noted (a quarter of the timeout, at most 1 s)."""
     return min(1.0, 0.25 * timeout)
@@ -257,7 +287,7 @@ def diagnose(group: str, world_ranks: list[int]) -> tuple[str, str]:
     for rank, pid, host in missing:
         where = f"world rank {rank} (pid {pid} on {host})"
         if host != _job.host or pid is None:
-            parts.append(f"{where}: on another host, not examined")
+            parts.append(f"{where}: {_remote(rank, host, details)}")
             continue
         state = process_state(pid)
         if state is None or state in "ZX":
@@ -292,6 +322,33 @@ def diagnose(group: str, world_ranks: list[int]) -> tuple[str, str]:
                                            f"{_STACK_WAIT:g} s)") + "\n")
     summary = "; did not arrive: " + "; ".join(parts)
     return summary, "".join(details)
+
+
+def _remote(rank: int, host: str | None, details: list[str]) -> str:
+    """What this rank can tell of a member on another host: its own records, read
+    where the job directory is shared (the stack its watchdog wrote, the call it
+    waits in); appends the stack to ``details``."""
+    assert _job is not None
+    path = _job.path("stack", rank)
+    if not os.path.exists(_job.path("rank", rank)):
+        return (f"on another host, not examined (the job directory {_job.directory} is "
+                f"not shared with {host}: its Python stack is in {path} there, written "
+                f"by its watchdog after {_STACK_NOTE} without progress)")
+    doing = _read(_job.path("wait", rank))
+    if doing:
+        return f"on another host, waits in {doing['call']}"
+    text = _tail(path, 0)
+    dump = text[text.rfind("Timeout ("):] if "Timeout (" in text else ""
+    if not dump:
+        return ("on another host, in no call of the library and no stack from its "
+                "watchdog yet (a stopped or very slow process)")
+    details.append(f"[mpishard] Python stack of world rank {rank} on {host}, written by "
+                   f"its own watchdog:\n{dump.strip()}\n")
+    return "on another host, in no call of the library: its watchdog wrote its stack"
+
+
+#: How :func:`_remote` names the watchdog's delay in its message.
+_STACK_NOTE = "three quarters of the timeout"
 
 
 def _size(path: str) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import array_namespace, to_numpy
-from ..comm import FlatComm, Handle, world_rank
+from ..comm import FlatComm, Handle, stuck, world_rank
 from ..comm.buckets import GradientBuckets
 from ..config import ShardingConfiguration
 from ..errors import CommunicationError, MpiShardError, NonFiniteError, TopologyError
@@ -236,6 +236,8 @@ class DataParallelOptimizer:
         model = self._require_model()
         micro = self._pending_micro
         rows = len(x)
+        if micro == 0:   # this rank makes progress: its watchdog starts again
+            stuck.watch(self.dp.timeout)
         if (batch_start is None) != (global_rows is None):
             raise ValueError(f"give both batch_start and global_rows or neither, got "
                              f"batch_start={batch_start!r}, global_rows={global_rows!r}")
