@@ -1,26 +1,31 @@
-"""A rank SIGKILLed inside ``optimize()``: the one training loop recovers in place (ULFM).
+"""Ranks SIGKILLed inside ``optimize()``: the one training loop recovers in place (ULFM).
 
 Runs only in the fault-tolerant runtime (``bash scripts/setup.sh --ft``;
 ``.venv-ft/bin/python -m pytest tests/test_ulfm_train.py``); elsewhere it skips,
-saying why. Each test starts ``mpirun --with-ft ulfm -n 3``.
+saying why. Each test starts ``mpirun --with-ft ulfm -n 3`` (4 where two ranks die).
 
 Each job trains a float64 MLP (Adam, global batch 24 re-split over whoever is
-there, 4 epochs of 8 steps) with ``optimize()``. A seeded draw picks the victim
-(any rank, 0 included: the metrics file then moves to the new rank 0) and the
-step; the phase is the test's: the forward/backward, a bucket's ``Iallreduce``
-(small buckets: several per step), the step's ``Allreduce``, the loop's stop
-agreement, a checkpoint save. The victim SIGKILLs itself there. The reference,
-computed earlier in the same job: the same training on 3 ranks up to the step the
-survivors must agree on (the step before the kill, or the kill's step itself when
-the rank died after completing it: stop agreement, checkpoint save), then on the
-survivors only (a communicator without the victim, on purpose). Parameters must
-agree to rtol 1e-12; ``result.recoveries`` and the metrics file's ``recovered``
-record say what happened. ZeRO-2 rolls back to its newest checkpoint (reference:
-3 ranks to that checkpoint, the survivors from it). Fewer survivors than
-``min_workers``: checkpoint, one line, exit 75. In reproducible mode the run ends
-with the bits of a 3-rank run that lost nothing. Also: ``mpishard train
---fault-tolerance`` (DDP goes on; a tensor-parallel layout hands over with 75) and
-``mpishard run --fault-tolerance ulfm`` (no relaunch on a death).
+there, 4 epochs of 8 steps) with ``optimize()``. The kill matrix (:data:`MATRIX`):
+DDP and ZeRO-2, a seeded draw of the victims (any rank, 0 included: the metrics
+file then moves to the new rank 0; two at once, never neighbours) and of the step;
+the phase is the test's: the forward/backward, a bucket's ``Iallreduce`` (small
+buckets: several per step), the step's ``Allreduce``, ZeRO-2's parameter
+``Allgatherv`` (after the others updated their shards) and its buddy exchange, the
+loop's stop agreement, a checkpoint save, an evaluation at the end of an epoch.
+The victims SIGKILL themselves there. The reference, computed earlier in the same
+job: the same training on all ranks up to the step the survivors must agree on
+(the step before the kill, or the kill's step itself when the ranks died after
+completing it: stop agreement, checkpoint save, evaluation), then on the
+survivors only (a communicator without the victims, on purpose). Parameters
+must agree to rtol 1e-12 (they are equal here); ``result.recoveries`` and the
+metrics file's ``recovered`` record say what happened. ZeRO-2 without buddy
+copies rolls back to its newest checkpoint (reference: 3 ranks to that
+checkpoint, the survivors from it). Fewer survivors than ``min_workers``:
+checkpoint, one line, exit 75. In reproducible mode the run ends with the bits of
+a 3-rank run that lost nothing (DDP, and ZeRO-2 killed in the Allgatherv). Also:
+``mpishard train --fault-tolerance`` (DDP goes on; a tensor-parallel layout
+hands over with 75) and ``mpishard run --fault-tolerance ulfm`` (no relaunch on a
+death).
 """
 
 from __future__ import annotations

@@ -203,8 +203,10 @@ class ElasticAgent:
         grace: seconds after a first death during which further deaths count as
             the same event (two workers killed at once), before the agent ends
             the survivors on its host.
-        fault_tolerance: ``"ulfm"``: start ``mpirun --with-ft ulfm`` (Open MPI 5,
-            the ``mpirun`` first on ``PATH``) and leave the survivors of a death
+        fault_tolerance: ``"ulfm"``: start ``mpirun --with-ft ulfm --mca coll ^han``
+            (Open MPI 5, the ``mpirun`` first on ``PATH``; without ``han``, whose
+            collectives have swallowed failures, unless ``launcher_args`` choose
+            the collective components) and leave the survivors of a death
             running: they go on in place (:func:`~mpishard.train.run_training`);
             the agent only records a ``lost`` event, and relaunches when they
             exit 75 (fewer than ``min_workers`` left, or a layout that cannot go
@@ -278,6 +280,10 @@ class ElasticAgent:
             base = ["mpirun", "-n", str(workers)]
             if self.fault_tolerance == "ulfm":
                 base += ["--with-ft", "ulfm"]
+                if not any("coll" in arg for arg in self.launcher_args):
+                    # The han collectives have swallowed failures (open-mpi/ompi#11794)
+                    # and hung in MPIX_Comm_agree across nodes (#13915).
+                    base += ["--mca", "coll", "^han"]
         return base + list(self.launcher_args) + list(self.command)
 
     def _start(self, workers: int, restarts: int, reason: str, died_at: float | None,
