@@ -40,6 +40,7 @@ MODULES = [
     "mpishard.comm.hierarchical",
     "mpishard.comm.ulfm",
     "mpishard.parallel.recovery",
+    "mpishard.parallel.replicas",
     "mpishard.parallel.shardcopy",
     "mpishard.reprosum",
     "mpishard.errors",

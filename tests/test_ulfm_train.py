@@ -352,33 +352,39 @@ sys.exit(main({argv!r}))
 """
 
 
-@pytest.mark.parametrize("layout", ["ddp", "hybrid"])
+@pytest.mark.parametrize("layout", ["ddp", "hybrid", "hybrid-one-replica"])
 def test_mpishard_train_fault_tolerance(tmp_path, layout):
     # `mpishard train --fault-tolerance ulfm`: DDP goes on over the survivors and
-    # says so in its summary; a tensor-parallel layout cannot (the lost rank held
-    # half of some layers): one line, exit 75, for `mpishard run` to relaunch.
+    # says so in its summary; a tensor-parallel layout of 2 replicas drops the one
+    # that lost a rank (its other rank says so and leaves) and goes on with the
+    # other; one replica cannot (the lost rank held half of some layers): one line,
+    # exit 75, for `mpishard run` to relaunch.
     _ft_or_skip()
     argv = ["--example", "burgers", "--samples", "640", "--epochs", "2", "--batch-size",
             "48", "--hidden", "32,32", "--fault-tolerance", "ulfm", "--no-progress",
             "--out", str(tmp_path)]
     n = 3
-    if layout == "hybrid":
+    if layout.startswith("hybrid"):
         argv += ["--strategy", "hybrid", "--tp", "2"]
-        n = 4
+        n = 2 if layout == "hybrid-one-replica" else 4
     job = ulfm_job(n, CLI.format(victim=n - 1, at=5, argv=argv), timeout=90)
     out = job.stdout
-    if layout == "ddp":
+    if layout in ("ddp", "hybrid"):
         assert re.search(rf"^   recovered in place at step 5: lost world rank\(s\) {n - 1}, "
                          rf"went on with 2 ", out, re.MULTILINE), out
         assert re.search(r"^burgers done: .* 26 steps in", out, re.MULTILINE), out
         assert job.returncode in (0, None), out
-    else:
+    if layout == "hybrid":
+        assert re.search(r"^\[mpishard\] world rank 2 \(host \S+\): dropped with replica 1, "
+                         r"which lost world rank\(s\) \[3\]; 2 ranks go on$", out,
+                         re.MULTILINE), out
+    if layout == "hybrid-one-replica":
         lines = re.findall(r"^\[mpishard\] .*$", out, re.MULTILINE)
-        assert lines == ["[mpishard] burgers: lost world rank(s) [3] after step 5, cannot "
-                         "go on in place (the layout has tensor_parallel_size=2 and "
-                         "pipeline_parallel_size=1: the lost rank held a piece of the model "
-                         "that no survivor has); exiting with 75 to be relaunched from the "
-                         "newest checkpoint"], out
+        assert lines == ["[mpishard] burgers: lost world rank(s) [1] after step 5, cannot "
+                         "go on in place (the layout has tensor_parallel_size=2, "
+                         "pipeline_parallel_size=1 and data_parallel_size=1: the lost rank "
+                         "held a piece of the only model replica); exiting with 75 to be "
+                         "relaunched from the newest checkpoint"], out
         assert job.returncode in (75, None), out
     assert "Traceback" not in out, out
 

@@ -67,7 +67,13 @@ class Handle:
 
     def test(self) -> bool:
         """Progress the operation; True when it has completed (finish not yet run)."""
-        return self.request.Test()
+        try:
+            return self.request.Test()
+        except MPI.Exception as exc:
+            other = self.comm.failure(exc)
+            if other is exc:
+                raise
+            raise other from exc
 
     def wait(self, *, timed: bool = True) -> None:
         """Block until done, then run the completion step (copy back, accumulate).
@@ -124,7 +130,32 @@ class FlatComm:
 
     # --- waiting ---------------------------------------------------------
     def wait_request(self, request: MPI.Request, what: str) -> None:
-        """Wait for ``request``; past the timeout abort the job naming ``what``."""
+        """Wait for ``request``; past the timeout abort the job naming ``what``.
+        A failure raises :class:`mpi4py.MPI.Exception` (:meth:`failure`)."""
+        try:
+            self._wait(request, what)
+        except MPI.Exception as exc:
+            other = self.failure(exc)
+            if other is exc:
+                raise
+            raise other from exc
+
+    def failure(self, exc: MPI.Exception) -> MPI.Exception:
+        """``exc``, or, on a fault-tolerant group (:func:`mpishard.comm.ulfm.enable`)
+        that a survivor revoked or where a rank failed, ``ERR_REVOKED`` in place of
+        the ``ERR_OTHER`` that Open MPI 5's non-blocking collectives (libnbc:
+        "Error in NBC_Start_round") sometimes report then, so that the caller
+        recovers instead of ending the job. Local."""
+        if not (getattr(self, "fault_tolerant", False) and hasattr(MPI, "ERR_REVOKED")
+                and exc.Get_error_class() == MPI.ERR_OTHER):
+            return exc
+        try:
+            broken = self.comm.Is_revoked() or self.comm.Get_failed().Get_size() > 0
+        except (MPI.Exception, AttributeError, NotImplementedError):
+            return exc
+        return MPI.Exception(MPI.ERR_REVOKED) if broken else exc
+
+    def _wait(self, request: MPI.Request, what: str) -> None:
         if self.timeout is None:
             request.Wait()
             return

@@ -105,6 +105,37 @@ class HybridShardedModel:
         self.stage_model = probe if mine == (0, 1) else model(tp_comm=self.tp, stage_layers=mine)
         self.runner = PipelineStage(self.stage_model, self.pp, micro_batches, schedule)
         self._context: tuple[int, int, int] | None = None
+        self._factory = model      # for rebuild()
+
+    def rebuild(self, config: ShardingConfiguration) -> None:
+        """Build this model again over ``config``, in place, keeping this rank's
+        parameters: after a recovery that dropped whole replicas
+        (:func:`mpishard.parallel.replicas.drop_replicas`) the kept ranks have new
+        groups but the same tensor and pipeline sizes, and each keeps its tensor
+        coordinate and pipeline stage, so its parameters are still its own.
+        Gradients start at zero. Collective over ``config.comm``.
+
+        Raises:
+            TopologyError: ``config`` has other tensor or pipeline sizes, or puts
+                this rank at another tensor coordinate or stage (on every rank).
+        """
+        before = self.config.groups.coordinates
+        topo, after = config.topology, config.groups.coordinates
+        problem = None
+        if (topo.tp, topo.pp) != (self.config.topology.tp, self.config.topology.pp):
+            problem = (f"rebuild keeps tensor_parallel_size={self.config.topology.tp} and "
+                       f"pipeline_parallel_size={self.config.topology.pp}, got {topo.tp} "
+                       f"and {topo.pp}")
+        elif (after.tp, after.pp) != (before.tp, before.pp):
+            problem = (f"rebuild keeps each rank's tensor coordinate and stage: this rank "
+                       f"had (tp, pp) = ({before.tp}, {before.pp}), the new layout gives "
+                       f"({after.tp}, {after.pp})")
+        config.world.agree(problem, TopologyError)
+        params = self.params.copy()
+        # The same stage boundaries (the balance would give them again; this is sure).
+        HybridShardedModel.__init__(self, self._factory, config, micro_batches=self.micro_batches,
+                                    schedule=self.schedule, stages=list(self.stage_ranges))
+        self.params[...] = params
 
     # -- the model protocol, for the data-parallel group ----------------------------
     @property

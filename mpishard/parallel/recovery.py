@@ -10,7 +10,8 @@ from typing import Any
 from ..comm import FlatComm, ulfm
 from ..errors import MpiShardError
 from .ddp import DDPOptimizer
-from .hybrid import HybridShardedOptimizer
+from .hybrid import HybridShardedModel, HybridShardedOptimizer
+from .replicas import drop_replicas
 from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
 from .zero2 import ZeRO2Optimizer
 
@@ -37,10 +38,17 @@ def communicators(strategy: Any) -> list[FlatComm]:
 
 def recoverable(strategy: Any) -> str | None:
     """None when :func:`recover_in_place` can rebuild ``strategy`` over the
-    survivors, else why not (a layout with tensor or pipeline parallelism: the
-    lost rank held a piece of the model no survivor has). Local."""
+    survivors, else why not (a 3D layout with one data-parallel replica, or tensor
+    or pipeline parallelism outside a hybrid strategy: the lost rank held a piece
+    of the model no survivor has). Local."""
     topo = strategy.config.topology
-    if isinstance(strategy, HybridShardedOptimizer) or topo.tp * topo.pp != 1:
+    if isinstance(strategy, HybridShardedOptimizer):
+        if topo.dp < 2 or not isinstance(strategy.model, HybridShardedModel):
+            return (f"the layout has tensor_parallel_size={topo.tp}, pipeline_parallel_size="
+                    f"{topo.pp} and data_parallel_size={topo.dp}: the lost rank held a piece "
+                    f"of the only model replica")
+        return None
+    if topo.tp * topo.pp != 1:
         return (f"the layout has tensor_parallel_size={topo.tp} and "
                 f"pipeline_parallel_size={topo.pp}: the lost rank held a piece of the "
                 f"model that no survivor has")
@@ -92,6 +100,12 @@ def recover_in_place(strategy: Any, exc: BaseException | None = None, *,
       their shard from before the update), and resharded over the survivors; the
       interrupted step is trained again over them. Exact, nothing lost, nothing
       read from disk (``event["from"] == "buddy"``).
+    * **3D layouts** (:class:`~mpishard.parallel.hybrid.HybridShardedOptimizer`
+      with ``data_parallel_size`` of 2 or more): every replica that lost a rank
+      is dropped (its alive ranks help, then end with status 0) and the whole
+      ones go on in place with the same tensor and pipeline sizes
+      (:func:`~mpishard.parallel.replicas.drop_replicas`, ``event["from"] ==
+      "replica"``); no replica whole: the error below.
     * **ZeRO-2 otherwise** (no buddy, two neighbours lost): the whole state
       (parameters, optimizer state, step, data position) is rolled back to the
       newest checkpoint of ``checkpoints`` (a
@@ -111,9 +125,9 @@ def recover_in_place(strategy: Any, exc: BaseException | None = None, *,
     Collective over the survivors.
 
     Raises:
-        MpiShardError: on every survivor: a layout with tensor or pipeline
-            parallelism (:func:`recoverable`), or ZeRO-2 without a checkpoint
-            to roll back to.
+        MpiShardError: on every survivor: a layout that cannot go on in place
+            (:func:`recoverable`; a 3D layout where no replica is whole), or
+            ZeRO-2 without a checkpoint to roll back to.
     """
     if exc is not None and not ulfm.is_failure(exc):
         raise exc
@@ -123,6 +137,8 @@ def recover_in_place(strategy: Any, exc: BaseException | None = None, *,
     rec = ulfm.recover(old.groups.world, strategy.step_count, also=communicators(strategy))
     if why is not None:
         raise MpiShardError(f"cannot recover in place: {why}; restart from a checkpoint")
+    if isinstance(strategy, HybridShardedOptimizer):   # whole replicas go on
+        return strategy, drop_replicas(strategy, rec, buddy=buddy, marks=marks, exc=exc)
     zero2 = isinstance(strategy, ZeRO2Optimizer)
     step, source = rec.step, rec.source
     full = None

@@ -144,18 +144,19 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
     survivors (:func:`~mpishard.parallel.recovery.recover_in_place`: DDP from
     the survivor with the newest step, nothing lost; ZeRO-2 from the buddy
     copies, at the last step every survivor completed or the one before it,
-    nothing lost, or else rolled back to the newest checkpoint), re-split the
-    global batch over themselves and go on (a step that was interrupted is
-    trained again, over the survivors).
+    nothing lost, or else rolled back to the newest checkpoint; a 3D layout
+    of two or more replicas drops the replicas that lost a rank and goes on
+    with the whole ones), re-split the global batch over themselves and go on
+    (a step that was interrupted is trained again, over the survivors).
     Each recovery is a ``recovered`` metrics record, a line on rank 0 (with
     ``progress`` or ``print_every``) and an entry of ``result.recoveries``;
     ``strategy.config`` is then the survivors' configuration. The process
     ends instead (:func:`mpishard.comm.ulfm.leave`, status 75, one line on the
     survivors' rank 0 saying why), so that ``mpishard run`` relaunches from a
     checkpoint: fewer survivors than ``min_workers`` (after writing a
-    checkpoint), a layout with tensor or pipeline parallelism (the newest
-    checkpoint on disk is where it resumes), ZeRO-2 with neither a buddy copy of
-    the lost shard nor ``checkpoints``.
+    checkpoint), a 3D layout where no replica is whole (one replica, or each
+    lost a rank: the newest checkpoint on disk is where it resumes), ZeRO-2 with
+    neither a buddy copy of the lost shard nor ``checkpoints``.
 
     Raises:
         ValueError: on every rank: ``batch_size`` does not split over the ranks
