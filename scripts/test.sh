@@ -7,7 +7,7 @@
 #      the tests that start their own mpirun), with plain pytest;
 #   2. the MPI tests under `mpirun -n N python -m pytest --with-mpi` for N = 1, 2, 4,
 #      and the model-parallel ones at N = 8 (the tp2-pp2-dp2 layout);
-#   3. tests/test_ulfm.py, test_ulfm_train.py and test_ulfm_hybrid.py in the fault-tolerant runtime
+#   3. tests/test_ulfm*.py (hybrid layouts, the namespace cluster) in the fault-tolerant runtime
 #      (.venv-ft, Open MPI 5 + ULFM).
 # Extra arguments go to every pytest call (for example -x or -k ddp).
 set -euo pipefail
@@ -57,5 +57,5 @@ if ! bash scripts/setup.sh --ft; then
   ftpy=$py
 fi
 timeout --kill-after=30 900 "$ftpy" -m pytest -q -p no:cacheprovider --color=no -rs "$@" \
-  tests/test_ulfm.py tests/test_ulfm_train.py tests/test_ulfm_hybrid.py
+  tests/test_ulfm.py tests/test_ulfm_train.py tests/test_ulfm_hybrid.py tests/test_ulfm_cluster.py
 echo "== all test runs passed"

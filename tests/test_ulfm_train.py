@@ -40,7 +40,7 @@ from test_ulfm import _ft_or_skip, ulfm_job
 pytestmark = pytest.mark.launch
 
 JOB = r"""
-import json, os, signal, sys, tempfile
+import json, os, signal, socket, sys, tempfile
 import numpy as np
 from mpi4py import MPI
 from mpishard import ShardingConfiguration
@@ -55,6 +55,7 @@ import mpishard.train.loop as loop
 from mpishard.parallel.shardcopy import ShardBuddy
 
 assert ulfm.available()[0], ulfm.available()[1]
+print(f"HOST {{MPI.COMM_WORLD.rank}} {{socket.gethostname()}}", flush=True)
 PHASE, VICTIMS, KILL, STRATEGY, EVERY = {phase!r}, {victims}, {kill}, {strategy!r}, {every}
 MIN = {min_workers}
 REPRO, BUDDY = {repro}, {buddy}
@@ -208,15 +209,15 @@ ulfm.leave(0)      # not MPI_Finalize: it may wait for the dead rank (ompi#11404
 """
 
 
-def run_job(tmp_path, phase, strategy="ddp", every=3, min_workers=1, seed=0, repro=False,
-            ranks=3, lose=1, buddy=True):
+def job_code(tmp_path, phase, strategy="ddp", every=3, min_workers=1, seed=0, repro=False,
+             ranks=3, lose=1, buddy=True, victims=None):
     """The job above at ``ranks`` ranks, ``lose`` of them (a seeded draw; two
-    are never neighbours) killed at a seeded step in ``phase``; returns
-    ``(job, victims, kill)``."""
-    _ft_or_skip()
+    are never neighbours; or ``victims``) killed at a seeded step in ``phase``:
+    ``(code, victims, kill)``."""
     rng = np.random.default_rng(seed)
     first = int(rng.integers(0, ranks))
-    victims = sorted({first, (first + 2) % ranks} if lose == 2 else {first})
+    if victims is None:
+        victims = sorted({first, (first + 2) % ranks} if lose == 2 else {first})
     kill = int(rng.integers(4, 12))          # a step of epoch 0 or 1 (8 steps each)
     if phase == "checkpoint":                # a step with a save (the second one or later)
         kill = -(-kill // every) * every
@@ -225,8 +226,14 @@ def run_job(tmp_path, phase, strategy="ddp", every=3, min_workers=1, seed=0, rep
     code = JOB.format(phase=phase, victims=victims, kill=kill, strategy=strategy, every=every,
                       min_workers=min_workers, repro=repro, buddy=buddy)
     code = code.replace('tempfile.gettempdir() + "/ulfm-train-"', repr(str(tmp_path) + "/j"))
-    job = ulfm_job(ranks, code, timeout=120)
-    return job, victims, kill
+    return code, victims, kill
+
+
+def run_job(tmp_path, phase, ranks=3, **options):
+    """:func:`job_code`'s job run on this machine: ``(job, victims, kill)``."""
+    _ft_or_skip()
+    code, victims, kill = job_code(tmp_path, phase, ranks=ranks, **options)
+    return ulfm_job(ranks, code, timeout=120), victims, kill
 
 
 #: The kill matrix: (strategy, phase, seed, ranks, ranks killed at once). Each
