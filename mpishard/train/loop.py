@@ -145,8 +145,9 @@ def run_training(strategy: Any, model: Any, data: Any, epochs: int | None = None
     the survivor with the newest step, nothing lost; ZeRO-2 from the buddy
     copies, at the last step every survivor completed or the one before it,
     nothing lost, or else rolled back to the newest checkpoint; a 3D layout
-    of two or more replicas drops the replicas that lost a rank and goes on
-    with the whole ones), re-split the global batch over themselves and go on
+    of two or more replicas drops the replicas that lost a rank, whose alive
+    ranks end their process with status 0, and goes on with the whole ones),
+    re-split the global batch over themselves and go on
     (a step that was interrupted is trained again, over the survivors).
     Each recovery is a ``recovered`` metrics record, a line on rank 0 (with
     ``progress`` or ``print_every``) and an entry of ``result.recoveries``;
