@@ -79,11 +79,22 @@ fi
 py="$venv/bin/python"
 pipq() { "$py" -m pip install -q --disable-pip-version-check "$@"; }
 
-# tqdm: the progress bar of `mpishard train`; matplotlib: `mpishard plot` (PNG, Agg backend).
-if ! "$py" -c "import mpi4py, numpy, pytest, pytest_mpi, tqdm, matplotlib" 2>/dev/null; then
-  say "pip install mpi4py numpy pytest pytest-mpi tqdm matplotlib"
+# tqdm: the progress bar of `mpishard train`; matplotlib: `mpishard plot` (PNG, Agg backend);
+# numba: the fused CPU kernels of mpishard.kernels (one compiled pass where NumPy makes
+# several; the NumPy twins stay the reference and the fallback).
+if ! "$py" -c "import mpi4py, numpy, pytest, pytest_mpi, tqdm, matplotlib, numba" 2>/dev/null; then
+  say "pip install mpi4py numpy pytest pytest-mpi tqdm matplotlib numba"
   pipq --upgrade pip setuptools wheel
-  pipq "mpi4py>=4.0,<5" "numpy>=1.24" "pytest>=8" "pytest-mpi>=0.6" "tqdm>=4.60" "matplotlib>=3.6"
+  pipq "mpi4py>=4.0,<5" "numpy>=1.24" "pytest>=8" "pytest-mpi>=0.6" "tqdm>=4.60" "matplotlib>=3.6" \
+    "numba>=0.60"
+fi
+
+# --- the documentation site (mkdocs build --strict runs in scripts/test.sh) -----
+# mkdocs-material renders docs/; mkdocstrings builds the API reference from the
+# docstrings (static analysis with griffe: nothing is imported, no MPI starts).
+if ! "$py" -c "import mkdocs, material, mkdocstrings, mkdocstrings_handlers.python" 2>/dev/null; then
+  say "pip install mkdocs-material mkdocstrings[python]"
+  pipq "mkdocs>=1.6,<2" "mkdocs-material>=9.5,<10" "mkdocstrings[python]>=0.26,<2"
 fi
 
 # --- the linters of scripts/test.sh ---------------------------------------

@@ -1,0 +1,16 @@
+"""Fused array kernels: each hot elementwise or reduction operation as one function.
+
+Every kernel here has a NumPy twin (the reference, and the fallback) and, where it
+pays, a fused version: a Numba JIT on the CPU, a CuPy kernel on the GPU. The layers,
+optimizers and strategies call the function; they never choose a backend themselves.
+Which implementation runs is :mod:`mpishard.kernels.select`'s decision. Pure: no MPI.
+"""
+
+from .select import KERNEL_MODES, fused_on, kernel_mode, numba_available
+
+__all__ = [
+    "KERNEL_MODES",
+    "fused_on",
+    "kernel_mode",
+    "numba_available",
+]

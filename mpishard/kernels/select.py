@@ -1,0 +1,75 @@
+"""Which implementation of a kernel runs: the NumPy twin or a fused one.
+
+``MPISHARD_KERNELS`` (read once per process) says it for every kernel:
+
+* ``auto`` (the default): fused where a fused version exists for the array's
+  library and has been checked on that kind of device (Numba on the CPU when it
+  imports; CuPy kernels on a GPU once ``MPISHARD_GPU_KERNELS=1`` opts in, see
+  below), else the NumPy twin;
+* ``reference``: always the NumPy twin (the bits of the reference path; slower);
+* ``fused``: the fused version wherever one exists (an error where it cannot run).
+
+The CuPy kernels stay behind ``MPISHARD_GPU_KERNELS=1`` until a run on a GPU has
+passed the ``gpu`` tests with them; ``auto`` then uses them by default.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import numpy as np
+
+__all__ = ["KERNEL_MODES", "fused_on", "kernel_mode", "numba_available"]
+
+#: What ``MPISHARD_KERNELS`` accepts.
+KERNEL_MODES = ("auto", "reference", "fused")
+
+
+@functools.cache
+def kernel_mode() -> str:
+    """``MPISHARD_KERNELS`` (``auto`` when unset).
+
+    Raises:
+        ValueError: a value outside :data:`KERNEL_MODES`.
+    """
+    mode = os.environ.get("MPISHARD_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"MPISHARD_KERNELS must be one of {', '.join(KERNEL_MODES)}, "
+                         f"got {mode!r}")
+    return mode
+
+
+@functools.cache
+def numba_available() -> bool:
+    """True when Numba imports (it is compiled lazily, at a kernel's first call)."""
+    try:
+        import numba  # noqa: F401
+    except Exception:  # ImportError, or an llvmlite that does not load here
+        return False
+    return True
+
+
+def _gpu_opted_in() -> bool:
+    return os.environ.get("MPISHARD_GPU_KERNELS", "0").strip() not in ("", "0")
+
+
+def fused_on(xp: ModuleType) -> bool:
+    """Whether kernels on arrays of ``xp`` (``numpy`` or ``cupy``) run fused.
+
+    Raises:
+        RuntimeError: ``MPISHARD_KERNELS=fused`` where no fused version can run
+            (Numba missing on the CPU).
+    """
+    mode = kernel_mode()
+    if mode == "reference":
+        return False
+    if xp is np:
+        if numba_available():
+            return True
+        if mode == "fused":
+            raise RuntimeError("MPISHARD_KERNELS=fused, but Numba does not import here: "
+                               "install numba, or use MPISHARD_KERNELS=auto")
+        return False
+    return mode == "fused" or _gpu_opted_in()
