@@ -9,6 +9,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .errors import UsageError
+
 __all__ = ["environment_info", "main"]
 
 
@@ -92,10 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_run_parser(sub)
     return parser
-
-
-class UsageError(Exception):
-    """A problem with the command line: one line on rank 0, exit code 2."""
 
 
 def _ckpt_inspect(args: argparse.Namespace) -> int:

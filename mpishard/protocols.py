@@ -161,7 +161,7 @@ class Dataset(Protocol):
     collective (each rank reads its own rows). The training loop makes the buffers
     once and gathers into them every step. :class:`~mpishard.data.ArrayDataset`
     (in-memory arrays), :class:`~mpishard.data.StreamingDataset` (one that
-    grows) and :class:`~mpishard.hdf5data.HDF5Dataset` (an HDF5 file, or an
+    grows) and :class:`~mpishard.data.HDF5Dataset` (an HDF5 file, or an
     h5py dataset pair) meet it; an ``(x, y)`` pair of arrays is wrapped in an
     ``ArrayDataset``.
     """

@@ -16,12 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..errors import UsageError
+
 __all__ = ["EXAMPLES", "OPTIONS", "Option", "Settings", "UsageError", "build_parser", "check",
            "load_toml", "parse_args", "plan_runs"]
-
-
-class UsageError(Exception):
-    """Bad input: one line on rank 0, exit code 2, on every rank alike."""
 
 
 @dataclass(frozen=True)

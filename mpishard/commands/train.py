@@ -246,7 +246,7 @@ def _data(s: Settings, comm: FlatComm, dtype: np.dtype,
         cut = -_VALIDATION_BURGERS
         return ((x[:cut], y[:cut]), (x[cut:], y[cut:]),
                 f"{s.samples:,} solutions of the 1-D Burgers equation (u(x,0) -> u(x,0.2))")
-    from ..hdf5data import HDF5Dataset, parse_data_spec
+    from ..data import HDF5Dataset, parse_data_spec
 
     try:
         path, inputs = parse_data_spec(s.data)
@@ -314,7 +314,7 @@ def _strategy(s: Settings, config: Any, model: Any, steps: int, warmup: int) -> 
 def _logical_parameters(config: Any, model: Any) -> int:
     """This rank's part of the model's parameter count: data replica 0 counts
     its slices of split tensors, and tensor rank 0 the replicated ones too."""
-    from ..nn.sharding import owned_ranges, tensor_shards
+    from ..nn.shards import owned_ranges, tensor_shards
 
     where = config.groups.coordinates
     if where.dp != 0:

@@ -10,7 +10,7 @@ import numpy as np
 from ..comm import FlatComm
 from .base import BatchContext, Layer, finish_gradient, store_gradient
 from .embedding import sequence_shape
-from .sharding import TensorShard
+from .shards import TensorShard
 from .tensor_parallel import load_logical, tensor_parallel_comm
 
 __all__ = [

@@ -14,7 +14,8 @@ from .embedding import Embedding, LMHead, sequence_shape
 from .layers import LayerNorm
 from .losses import SoftmaxCrossEntropy
 from .model_methods import Described
-from .sharding import ShardedSequential, TensorShard, split_range
+from .shards import TensorShard, split_range
+from .stack import LayerStack
 from .tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -174,7 +175,7 @@ def _sub(d: dict[str, Any], prefix: str, layer: Layer) -> dict[str, Any]:
     return {name: d[f"{prefix}.{name}"] for name, _ in layer.param_shapes()}
 
 
-class GPT(Described, ShardedSequential):
+class GPT(Described, LayerStack):
     """A GPT-style decoder-only language model on one flat parameter vector.
 
     Top-level layers (and tensor names):
@@ -209,7 +210,7 @@ class GPT(Described, ShardedSequential):
     full logits (an Allgatherv). Building is collective over the group.
 
     ``stage_layers=(start, stop)``: only those top-level layers, for a pipeline
-    stage (see :class:`~mpishard.nn.sharding.ShardedSequential` for the stage
+    stage (see :class:`~mpishard.nn.stack.LayerStack` for the stage
     API); the model has ``GPT.num_layers_of(n_layers) = n_layers + 2`` top-level
     layers.
 

@@ -17,7 +17,7 @@ from ..comm import FlatComm
 from ..config import ShardingConfiguration
 from ..errors import TopologyError
 from ..flat import Range
-from ..nn.sharding import owned_ranges, tensor_shards
+from ..nn.shards import owned_ranges, tensor_shards
 from ..pipeline.executor import PipelineStage
 from ..pipeline.partition import balance_stages, check_boundaries
 from ..pipeline.schedules import SCHEDULES

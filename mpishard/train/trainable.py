@@ -39,7 +39,7 @@ class Trainable:
                   (each step, this rank's rows; not collective), such as
                   :class:`~mpishard.data.ArrayDataset`,
                   :class:`~mpishard.data.StreamingDataset` (appended to between
-                  calls) or :class:`~mpishard.hdf5data.HDF5Dataset`. Every rank
+                  calls) or :class:`~mpishard.data.HDF5Dataset`. Every rank
                   passes the same data and reads only its rows of each batch;
                 * a :class:`~mpishard.protocols.CollectiveDataset` such as
                   :class:`~mpishard.data.LocalDataset`: each rank holds its own
