@@ -73,12 +73,15 @@ class HandOver(MpiShardError):
             from the newest checkpoint) or 0 (a dropped replica's rank whose work
             goes on elsewhere).
         speaker: True on the one rank that writes the message.
+        stopped: why the run stopped, as the metrics' ``end`` record says it.
     """
 
-    def __init__(self, message: str, *, exit_code: int, speaker: bool) -> None:
+    def __init__(self, message: str, *, exit_code: int, speaker: bool,
+                 stopped: str = "hand-over") -> None:
         super().__init__(message)
         self.exit_code = exit_code
         self.speaker = speaker
+        self.stopped = stopped
 
 
 class CheckpointWarning(UserWarning):

@@ -1,4 +1,4 @@
-"""What ZeRO-2's buddy copies cost (mpishard.parallel.shardcopy.ShardBuddy).
+"""What ZeRO-2's buddy copies cost (mpishard.recovery.ShardBuddy).
 
 Run under MPI (``mpirun -n 4 python scripts/bench_buddy.py --widths 1024 2048``):
 for each MLP width, two ZeRO-2 strategies with Adam on two copies of the model,
@@ -24,8 +24,8 @@ import numpy as np
 from mpishard import ShardingConfiguration
 from mpishard.nn import MLP
 from mpishard.optim import Adam
-from mpishard.parallel import ZeRO2Optimizer
-from mpishard.parallel.shardcopy import ShardBuddy
+from mpishard.parallel import ZeRO2Core
+from mpishard.recovery import ShardBuddy
 
 
 def main() -> None:
@@ -40,9 +40,9 @@ def main() -> None:
     for width in args.widths:
         plain_model = MLP([64, width, width, 64], dtype=np.float32, seed=1)
         model = MLP([64, width, width, 64], dtype=np.float32, seed=1)
-        plain = ZeRO2Optimizer(Adam(lr=1e-3), config, model=plain_model,
+        plain = ZeRO2Core(Adam(lr=1e-3), config, model=plain_model,
                                reduce_method="reduce_scatter")
-        opt = ZeRO2Optimizer(Adam(lr=1e-3), config, model=model, reduce_method="reduce_scatter")
+        opt = ZeRO2Core(Adam(lr=1e-3), config, model=model, reduce_method="reduce_scatter")
         x = rng.standard_normal((args.rows // world.size, 64)).astype(np.float32)
         y = rng.integers(0, 64, args.rows // world.size)
         buddy = ShardBuddy(opt)

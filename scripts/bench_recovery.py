@@ -8,11 +8,11 @@ relaunched workers under the agent), and the steps lost (steps done again).
 
 * ``ulfm``: ``mpirun --with-ft ulfm`` of the fault-tolerant runtime (``.venv-ft``,
   ``bash scripts/setup.sh --ft``); the survivors catch the failure and call
-  :func:`mpishard.parallel.recovery.recover_in_place` (revoke, shrink, agree on
+  :func:`mpishard.recovery.recover_in_place` (revoke, shrink, agree on
   the last completed step, configuration and DDP rebuilt over the survivors), and
   go on from that step.
 * ``ulfm-zero2``: the same with ZeRO-2 and its buddy copies
-  (:class:`mpishard.parallel.shardcopy.ShardBuddy`), the phase drawn from between
+  (:class:`mpishard.recovery.ShardBuddy`), the phase drawn from between
   steps, inside the backward, and inside the parameter ``Allgatherv`` (after the
   other ranks updated their shards: they take them back and train the step again).
 * ``agent``: ``mpishard run`` over Debian's Open MPI 4.1 with ``tests/elastic_worker.py``
@@ -48,9 +48,8 @@ from mpishard.comm import ulfm
 from mpishard.data import rank_rows
 from mpishard.nn import MLP
 from mpishard.optim import Adam
-from mpishard.parallel import DDPOptimizer, ZeRO2Optimizer
-from mpishard.parallel.recovery import recover_in_place
-from mpishard.parallel.shardcopy import ShardBuddy
+from mpishard.parallel import DDPCore, ZeRO2Core
+from mpishard.recovery import ShardBuddy, recover_in_place
 
 STEPS, KILL_AT, WHERE, ZERO2 = {steps}, {kill_at}, {where!r}, {zero2}
 rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
@@ -67,10 +66,10 @@ def config_over(comm):
 model = MLP([16, 64, 64, 4], activation="tanh", dtype=np.float64, seed=1)
 config = config_over(MPI.COMM_WORLD)
 if ZERO2:
-    ddp = ZeRO2Optimizer(Adam(lr=1e-3), config, model=model, reduce_method="allreduce")
+    ddp = ZeRO2Core(Adam(lr=1e-3), config, model=model, reduce_method="allreduce")
     buddy = ShardBuddy(ddp)
 else:
-    ddp, buddy = DDPOptimizer(Adam(lr=1e-3), config, model=model), None
+    ddp, buddy = DDPCore(Adam(lr=1e-3), config, model=model), None
 if rank == victim and WHERE == "allgather":
     real_g = type(ddp.dp).Allgatherv
     def Allgatherv(self, *a, **k):

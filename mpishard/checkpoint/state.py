@@ -46,7 +46,7 @@ from ..errors import CheckpointError, CheckpointWarning
 from ..flat import ParamLayout, Range, shard_ranges
 from ..nn.shards import tensor_shards
 from ..optim.schedules import schedule_from_dict
-from ..protocols import DescribedModel
+from ..protocols import DescribedModel, HasCore, StrategyCore
 from .blocks import block_shape, block_size, flat_blocks
 from .checksum import ALGORITHM
 from .collective import agree_error
@@ -190,11 +190,14 @@ def vector_requests(info: CheckpointInfo, layout: ParamLayout, place: Placement,
 
 # --- what the caller passed ---------------------------------------------------
 
-def as_strategy(optimizer: Any) -> Any:
-    """``optimizer`` if it is a training strategy, None for None; else TypeError."""
+def as_strategy(optimizer: Any) -> StrategyCore | None:
+    """The strategy core of ``optimizer`` (a public strategy's ``core``, or a core),
+    None for None; else TypeError."""
     if optimizer is None:
         return None
-    if hasattr(optimizer, "optimizer_state_shard") and hasattr(optimizer, "dp"):
+    if isinstance(optimizer, HasCore):
+        optimizer = optimizer.core
+    if isinstance(optimizer, StrategyCore):
         return optimizer
     raise TypeError(f"expecting a training strategy (DDPOptimizer, ZeRO2Optimizer, "
                     f"HybridShardedOptimizer) or None, got {type(optimizer).__name__}")

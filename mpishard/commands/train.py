@@ -373,7 +373,15 @@ def _checkpoints(run: Run, comm: FlatComm) -> None:
 
 def _train(run: Run, stop: StopRequest) -> TrainResult:
     """Train one run and print its summary on rank 0. Collective over the run's world."""
-    from ..train import evaluate, interactive_output, peak_rss_bytes, run_training
+    from ..train import (
+        Checkpointing,
+        Reporting,
+        Sampling,
+        evaluate,
+        interactive_output,
+        peak_rss_bytes,
+        run_training,
+    )
 
     s, world = run.settings, run.config.world
     rank0 = world.rank == 0
@@ -388,16 +396,17 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
     progress = s.progress if s.progress is not None else (rank0 and interactive_output())
     topo = run.config.topology
     report = run_training(
-        run.strategy, run.model, run.data, s.epochs, s.batch_size, seed=s.seed,
-        validation=run.validation, metrics_path=s.metrics_path,
-        append_metrics=run.resumed_from is not None, progress=bool(progress),
-        checkpoints=run.manager, checkpoint_every=s.checkpoint_every,
-        max_steps=s.max_steps, stop=stop, log_every=s.log_every, label=s.run,
-        print_every=max(1, s.epochs // 10),
-        start_record={"run": s.run, "model": run.description[0], "strategy": s.strategy,
-                      "world_size": world.size, "dp": topo.dp, "tp": topo.tp,
-                      "pp": topo.pp, "resumed_from": run.resumed_from,
-                      "start_val_loss": start_val})
+        run.strategy.core, run.model, run.data, s.epochs, s.batch_size,
+        sampling=Sampling(seed=s.seed), max_steps=s.max_steps, stop=stop,
+        reporting=Reporting(
+            progress=bool(progress), print_every=max(1, s.epochs // 10), label=s.run,
+            log_every=s.log_every, metrics_path=s.metrics_path,
+            append_metrics=run.resumed_from is not None, validation=run.validation,
+            start_record={"run": s.run, "model": run.description[0], "strategy": s.strategy,
+                          "world_size": world.size, "dp": topo.dp, "tp": topo.tp,
+                          "pp": topo.pp, "resumed_from": run.resumed_from,
+                          "start_val_loss": start_val}),
+        checkpointing=Checkpointing(run.manager, s.checkpoint_every))
     world = run.strategy.config.world   # the survivors' after a lost rank
     rank0 = world.rank == 0
     run.strategy.verify_in_sync()

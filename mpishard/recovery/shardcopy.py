@@ -2,13 +2,13 @@
 
 A ZeRO-2 rank is the only holder of its shard of the optimizer state, and, between
 its update and the parameter ``Allgatherv``, of its shard's new parameters. Two
-copies keep the run exact when it dies (ULFM, :mod:`mpishard.parallel.recovery`):
+copies keep the run exact when it dies (ULFM, :mod:`mpishard.recovery`):
 
 * :class:`ShardBuddy`: each rank keeps its right neighbour's shard (parameters and
   optimizer state) as of the last two completed steps, refreshed after every step;
-* :meth:`ZeRO2Optimizer.keep_previous_step
-  <mpishard.strategies.ZeRO2Optimizer.keep_previous_step>`: each rank keeps its
-  own shard as it was before its last update.
+* :meth:`ZeRO2Core.keep_previous_step
+  <mpishard.parallel.ZeRO2Core.keep_previous_step>`: each rank keeps its own
+  shard as it was before its last update.
 
 A death anywhere in a step then leaves the survivors one of two consistent points:
 the step every survivor completed (the state as it is, the lost shards from their
@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import FlatComm
+from ..parallel import ZeRO2Core
 
 __all__ = ["ShardBuddy", "zero2_candidates", "zero2_rebuild"]
 
@@ -38,10 +39,10 @@ class ShardBuddy:
     """ZeRO-2's buddy copy: each data-parallel rank also keeps the shard of the
     next rank (``(r + 1) % n``), its parameters and its optimizer state, as of the
     last two completed steps, so that a lost rank's shard survives with its left
-    neighbour and :func:`~mpishard.parallel.recovery.recover_in_place` goes on
+    neighbour and :func:`~mpishard.recovery.recover_in_place` goes on
     exactly, whatever the point of the step where the rank died.
 
-    Building it turns on :meth:`~mpishard.strategies.ZeRO2Optimizer.keep_previous_step`
+    Building it turns on :meth:`~mpishard.parallel.ZeRO2Core.keep_previous_step`
     and sends the first copies (collective over ``strategy.dp``).
 
     Costs: memory, per rank, two copies of a neighbour's shard of the parameters
@@ -53,7 +54,7 @@ class ShardBuddy:
     device array: no copy is kept; a lost shard is then rolled back to a checkpoint).
     """
 
-    def __init__(self, strategy: Any) -> None:
+    def __init__(self, strategy: ZeRO2Core) -> None:
         self.strategy = strategy
         self.dp = strategy.dp
         n, r = self.dp.size, self.dp.rank
@@ -114,7 +115,7 @@ class ShardBuddy:
         self.seconds += time.perf_counter() - t0
 
 
-def _report(strategy: Any, buddy: ShardBuddy | None) -> tuple[int, int, int, int, tuple]:
+def _report(strategy: ZeRO2Core, buddy: ShardBuddy | None) -> tuple[int, int, int, int, tuple]:
     """What a survivor can give: its old dp rank, its step, the step its shard's
     copy from before the update holds (-1: none), whose shard its buddy copies
     are, and the steps they hold."""
@@ -127,7 +128,7 @@ def _report(strategy: Any, buddy: ShardBuddy | None) -> tuple[int, int, int, int
             buddy.holds if usable else -1, tuple(buddy.steps) if usable else ())
 
 
-def zero2_candidates(strategy: Any, buddy: ShardBuddy | None, group: FlatComm) -> set[int]:
+def zero2_candidates(strategy: ZeRO2Core, buddy: ShardBuddy | None, group: FlatComm) -> set[int]:
     """The steps at which the whole ZeRO-2 state of ``strategy.dp`` can be rebuilt
     exactly from the survivors in ``group`` (every survivor of ``strategy.dp``,
     which may be revoked: it is not used), with :func:`zero2_rebuild`: the newest
@@ -149,7 +150,7 @@ def zero2_candidates(strategy: Any, buddy: ShardBuddy | None, group: FlatComm) -
     return found
 
 
-def zero2_rebuild(strategy: Any, buddy: ShardBuddy | None, group: FlatComm,
+def zero2_rebuild(strategy: ZeRO2Core, buddy: ShardBuddy | None, group: FlatComm,
                   step: int) -> tuple[Any, dict[str, Any]]:
     """The whole parameters and optimizer state of ``strategy.dp`` at ``step`` (one
     of :func:`zero2_candidates`), full length, on every member of ``group``. Each

@@ -1,6 +1,7 @@
 """``ElasticOptimizer``: the worker side of elastic training.
 
-Wraps DDP or ZeRO-2 and runs the one training loop (:func:`~mpishard.train.run_training`).
+A :class:`~mpishard.strategies.Strategy` over a DDP or ZeRO-2 core, running the
+one training loop (:func:`~mpishard.train.run_training`).
 On start it resumes from the newest complete checkpoint in its folder, resharded
 to the current world size (the agent behind ``mpishard run`` relaunches the
 workers at a new size after a failure or a change of slots). While training it
@@ -32,11 +33,9 @@ from ..checkpoint import CheckpointManager
 from ..config import ShardingConfiguration
 from ..errors import MpiShardError
 from ..exitcodes import EXIT_STOPPED
-from ..parallel.ddp import DDPOptimizer
-from ..parallel.zero2 import ZeRO2Optimizer
-from .loop import run_training
-from .result import TrainResult
-from .signals import StopRequest
+from ..parallel import DDPCore, ZeRO2Core
+from ..train import Checkpointing, Sampling, StopRequest, TrainResult, run_training
+from .base import Strategy
 
 __all__ = ["BATCH_POLICIES", "ElasticOptimizer"]
 
@@ -44,12 +43,12 @@ __all__ = ["BATCH_POLICIES", "ElasticOptimizer"]
 #: share adapts). ``scale-lr``: each worker keeps its batch, the global batch
 #: grows with the workers and the learning rate is scaled linearly with it.
 BATCH_POLICIES = ("fixed-global", "scale-lr")
-_STRATEGIES = {"ddp": DDPOptimizer, "zero2": ZeRO2Optimizer}
+_STRATEGIES = {"ddp": DDPCore, "zero2": ZeRO2Core}
 #: Why the loop stopped -> :attr:`ElasticOptimizer.stop_reason`.
 _REASONS = {"SIGUSR1": "resize", "SIGTERM": "preempt"}
 
 
-class ElasticOptimizer:
+class ElasticOptimizer(Strategy):
     """A data-parallel optimizer whose job may shrink and grow between restarts.
 
     Args:
@@ -111,14 +110,13 @@ class ElasticOptimizer:
             config.world.agree(f"{workers} workers, outside the allowed range "
                                f"[{min_workers}, {max_workers}] (min_workers, max_workers)",
                   MpiShardError)
-        self.config = config
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.checkpoint_every = checkpoint_every
         self.batch_policy = batch_policy
         self.reference_workers = reference_workers
         self.exit_on_signal = exit_on_signal
-        self.inner = _STRATEGIES[strategy](optimizer, config, **options)
+        super().__init__(_STRATEGIES[strategy](optimizer, config, **options))
         self.base_lr = optimizer.lr
         self.manager = (CheckpointManager(checkpoint_dir, keep=keep)
                         if checkpoint_dir is not None else None)
@@ -142,8 +140,9 @@ class ElasticOptimizer:
         return self.current_workers > self.min_workers
 
     @property
-    def step_count(self) -> int:
-        return self.inner.step_count
+    def inner(self) -> Any:
+        """The DDP or ZeRO-2 core (:attr:`core`; the name of 0.4)."""
+        return self.core
 
     @property
     def exit_code(self) -> int:
@@ -166,7 +165,7 @@ class ElasticOptimizer:
         """Save now, into ``checkpoint_dir``. Collective over the data group."""
         if self.manager is None:
             return None
-        return self.manager.save(model, self.inner)
+        return self.manager.save(model, self.core)
 
     # --- training -------------------------------------------------------------------
     def global_batch(self, batch_size: int | None) -> int | None:
@@ -186,7 +185,7 @@ class ElasticOptimizer:
 
         ``data``, ``seed``, ``callback(step, loss)`` and the rules for a
         restored data position are those of every strategy's ``optimize()``
-        (:meth:`~mpishard.train.Trainable.optimize`). ``batch_size``: the global
+        (:meth:`~mpishard.strategies.Strategy.optimize`). ``batch_size``: the global
         batch (``fixed-global``) or each worker's batch (``scale-lr``, where the
         global batch follows the worker count without a warning); for a
         :class:`~mpishard.data.BatchStream`, ``epochs`` and ``batch_size`` are
@@ -203,16 +202,16 @@ class ElasticOptimizer:
         says how); fewer survivors than ``min_workers`` checkpoint and end the
         process with 75, one line saying why, for ``mpishard run`` to relaunch.
         """
-        inner = self.inner
-        if inner.model is not model:
-            inner.attach(model)
+        core = self.core
+        if core.model is not model:
+            core.attach(model)
         if self.manager is not None:
-            info = self.manager.load_latest(model, inner)
+            info = self.manager.load_latest(model, core)
             self.resumed_from = info.path if info is not None else None
         if self._new_pass:
-            inner.data_position, self._new_pass = None, False
+            core.data_position, self._new_pass = None, False
         if self.batch_policy == "scale-lr":
-            inner.optimizer.lr = self.base_lr * self.current_workers / self.reference_workers
+            core.optimizer.lr = self.base_lr * self.current_workers / self.reference_workers
         failed_at = os.environ.get("MPISHARD_ELASTIC_FAILED_AT")
         first_step = [True]
 
@@ -223,16 +222,13 @@ class ElasticOptimizer:
                     self.recovery_seconds = time.time() - float(failed_at)
             return callback(step, loss) if callback is not None else None
 
+        sampling = Sampling(seed=seed, batch_size_may_change=self.batch_policy == "scale-lr")
+        checkpointing = Checkpointing(self.manager, self.checkpoint_every or 0, self.min_workers)
         with self._stop:
             self._announce_ready()
-            result = run_training(inner, model, data, epochs, self.global_batch(batch_size),
-                                  seed=seed, callback=after_step, stop=self._stop,
-                                  checkpoints=self.manager,
-                                  checkpoint_every=self.checkpoint_every or 0,
-                                  batch_size_may_change=self.batch_policy == "scale-lr",
-                                  min_workers=self.min_workers, **options)
-        # After a lost rank (fault tolerance on) the survivors' configuration.
-        self.config = inner.config
+            result = run_training(core, model, data, epochs, self.global_batch(batch_size),
+                                  sampling=sampling, callback=after_step, stop=self._stop,
+                                  checkpointing=checkpointing, **options)
         self._stop.received = None   # consumed: the next optimize() trains again
         self.stop_reason = None
         if result.stopped not in (None, "callback", "max_steps", "exhausted"):
@@ -253,11 +249,3 @@ class ElasticOptimizer:
         if self.config.world.rank == 0:
             with open(path, "w") as f:
                 f.write(str(os.getpid()))
-
-    # --- the inner strategy's interface ----------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        # memory_report, verify_in_sync, train_step, backward, step, ... of the
-        # inner DDP or ZeRO-2 optimizer.
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)

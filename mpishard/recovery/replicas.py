@@ -16,18 +16,18 @@ order of :mod:`mpishard.topology` still holds).
 
 from __future__ import annotations
 
-import dataclasses
 import socket
-import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..comm import FlatComm, ulfm, world_rank
-from ..errors import MpiShardError
+from ..errors import HandOver
+from ..exitcodes import EXIT_STOPPED
+from ..parallel import HybridCore, HybridShardedModel, HybridZeRO2Core
 from ..topology import Topology
-from .hybrid import HybridShardedModel, HybridShardedOptimizer, HybridZeRO2Optimizer
-from .shardcopy import zero2_candidates, zero2_rebuild
+from .common import StepMarks, survivors_config
+from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
 
 __all__ = ["drop_replicas", "whole_replicas"]
 
@@ -49,8 +49,8 @@ def whole_replicas(topology: Topology, alive: Iterable[int]
     return [d for d in range(topology.dp) if d not in lost], lost
 
 
-def drop_replicas(strategy: Any, rec: ulfm.Recovery, *, buddy: Any = None,
-                  marks: dict[int, tuple[int, Any]] | None = None,
+def drop_replicas(strategy: HybridCore, rec: ulfm.Recovery, *,
+                  buddy: ShardBuddy | None = None, marks: StepMarks | None = None,
                   exc: BaseException | None = None) -> dict[str, Any]:
     """After a rank failure in a 3D layout: drop every replica that lost a rank
     and set ``strategy`` (and its :class:`~mpishard.parallel.hybrid.HybridShardedModel`)
@@ -60,16 +60,16 @@ def drop_replicas(strategy: Any, rec: ulfm.Recovery, *, buddy: Any = None,
     ``rec``: what :func:`mpishard.comm.ulfm.recover` agreed, over the old world,
     with every communicator of the strategy and model revoked too (``also=``:
     a rank waiting on a group without the dead rank must leave it). ``buddy``:
-    ZeRO-2's :class:`~mpishard.parallel.shardcopy.ShardBuddy`. ``marks``: this
-    rank's ``{step: (skipped_steps, data position)}`` of its last steps (the
-    training loop's). ``exc``: the failure, for the event's ``error``.
+    ZeRO-2's :class:`~mpishard.recovery.ShardBuddy`. ``marks``: this rank's
+    :class:`~mpishard.recovery.common.StepMarks` (the training loop's). ``exc``:
+    the failure, for the event's ``error``.
 
     * The survivors of the whole replicas form a new world (a split of
       ``rec.world`` in the old rank order), a new
       :class:`~mpishard.ShardingConfiguration` over it (the old options,
       ``data_parallel_size`` = the whole replicas, errors returned), the model
       built again over it (same object) with each rank's own parameters, and
-      ``strategy`` itself set up again (same class and options).
+      ``strategy`` itself rebuilt over it (same object and options).
     * **Hybrid DDP**: every data-parallel rank holds parameters and optimizer
       state whole; the run goes on from the newest step that a kept rank of
       every (tensor, stage) coordinate completed (the survivors may differ by
@@ -82,9 +82,9 @@ def drop_replicas(strategy: Any, rec: ulfm.Recovery, *, buddy: Any = None,
     * ``step_count``, ``skipped_steps`` and the data position: that step's (a
       survivor's ``marks``; without them, a survivor at that step).
 
-    The alive ranks of dropped replicas, once they have helped, write one line on
-    stderr and end their process with status 0 (:func:`ulfm.leave
-    <mpishard.comm.ulfm.leave>`): this function does not return there.
+    The alive ranks of dropped replicas, once they have helped, raise
+    :class:`~mpishard.errors.HandOver` with exit code 0 (each says its own line):
+    the training loop ends their process.
 
     Returns:
         ``{"event": "recovered", "lost_ranks", "step", "world_size", "seconds",
@@ -93,18 +93,19 @@ def drop_replicas(strategy: Any, rec: ulfm.Recovery, *, buddy: Any = None,
         ``MPI.COMM_WORLD``).
 
     Raises:
-        MpiShardError: on every survivor, with ``first_survivor`` (True on rank 0
-            of ``rec.world``) for a hand-over: no replica is whole; hybrid DDP
-            with no step held at every (tensor, stage) coordinate of the kept
-            replicas; ZeRO-2 without a step every data group can rebuild exactly.
+        HandOver: on every survivor (exit 75, rank 0 of ``rec.world`` speaks): no
+            replica is whole; hybrid DDP with no step held at every (tensor,
+            stage) coordinate of the kept replicas; ZeRO-2 without a step every
+            data group can rebuild exactly. On a dropped replica's alive ranks
+            (exit 0), after they helped.
         TypeError: ``strategy`` is not an attached hybrid strategy (on every rank).
     """
     t0 = time.perf_counter()
     world = rec.world
     model = strategy.model
-    world.agree(None if isinstance(strategy, HybridShardedOptimizer)
+    world.agree(None if isinstance(strategy, HybridCore)
                 and isinstance(model, HybridShardedModel) else
-                f"drop_replicas needs a HybridShardedOptimizer attached to a "
+                f"drop_replicas needs a hybrid core attached to a "
                 f"HybridShardedModel, got {type(strategy).__name__} with "
                 f"{type(model).__name__}", TypeError)
     old = strategy.config
@@ -117,12 +118,11 @@ def drop_replicas(strategy: Any, rec: ulfm.Recovery, *, buddy: Any = None,
     # at attach over the world (a hybrid strategy's step group), while all were alive.
     to_comm_world = [w for _, w in strategy._who]
     lost_by_replica = {d: [to_comm_world[r] for r in lost] for d, lost in broken.items()}
-    zero2 = isinstance(strategy, HybridZeRO2Optimizer)
+    zero2 = isinstance(strategy, HybridZeRO2Core)
 
-    def hand_over(why: str) -> MpiShardError:
-        error = MpiShardError(f"cannot recover in place: {why}; restart from a checkpoint")
-        error.first_survivor = world.rank == 0   # who says it, for a hand-over
-        return error
+    def hand_over(why: str) -> HandOver:
+        return HandOver(f"cannot recover in place: {why}; restart from a checkpoint",
+                        exit_code=EXIT_STOPPED, speaker=world.rank == 0)
 
     if not kept:
         what = "; ".join(f"replica {d} lost world rank(s) {lost}"
@@ -150,41 +150,30 @@ def drop_replicas(strategy: Any, rec: ulfm.Recovery, *, buddy: Any = None,
         step, full = _zero2_rebuild(strategy, buddy, world, me, hand_over)
     # Skipped steps and the data position at that step: a survivor's mark of it,
     # else the own ones of a survivor that is at that step (of rec.source otherwise).
-    offers = world.allgather(marks.get(step) if marks else None)
-    chosen = next((m for m in offers if m is not None), None)
-    if chosen is None:
-        at = [e[4] for e in every]
-        chosen = world.bcast((strategy.skipped_steps, strategy.data_position),
-                             root=at.index(step) if step in at else rec.source)
-    skipped, position = chosen[0], (None if chosen[1] is None else dict(chosen[1]))
+    marks = marks if marks is not None else StepMarks(
+        strategy.step_count, strategy.skipped_steps, strategy.data_position)
+    skipped, position = marks.agreed(world, strategy, step, [e[4] for e in every], rec.source)
     mine_kept = me.dp in kept
     # The old rank order as key: the tp-dp-pp order holds over the kept ranks.
     child = world.split(0 if mine_kept else 1, old.groups.world.rank, "world")
     if not mine_kept:
-        dropped_line = (f"[mpishard] world rank {world_rank()} (host {socket.gethostname()}): "
-                        f"dropped with replica {me.dp}, which lost world rank(s) "
-                        f"{lost_by_replica[me.dp]}; {len(kept) * topo.tp * topo.pp} ranks go on\n")
-        sys.stderr.write(dropped_line)
-        ulfm.leave(0)
+        raise HandOver(f"world rank {world_rank()} (host {socket.gethostname()}): dropped "
+                       f"with replica {me.dp}, which lost world rank(s) "
+                       f"{lost_by_replica[me.dp]}; {len(kept) * topo.tp * topo.pp} ranks go on",
+                       exit_code=0, speaker=True)
     dropped = sorted(to_comm_world[r] for r, d, *_ in every if d not in kept)
 
-    config = dataclasses.replace(old, comm=child.comm, data_parallel_size=-1)
+    config = survivors_config(old, child.comm)
     groups = config.groups
-    ulfm.enable([groups.world, groups.dp, groups.tp, groups.pp],
-                evict_stuck=old.groups.dp.evict_stuck)
     state = strategy.state
     model.rebuild(config)          # the same object, this rank's parameters kept
-    options = dict(bucket_mb=strategy.bucket_mb, accumulation_steps=strategy.accumulation_steps,
-                   max_grad_norm=strategy.max_grad_norm, schedule=strategy.schedule,
-                   overlap=strategy.overlap, nonfinite=strategy.nonfinite)
     if zero2:
-        options["reduce_method"] = strategy.reduce_method   # chosen before: no probing again
         params_full, state_full = full
         model.params[...] = params_full
     else:
         groups.dp.Bcast(model.params, root=root)
     # The same object, set up again over the kept ranks (attach: buckets, state).
-    type(strategy).__init__(strategy, strategy.optimizer, config, model=model, **options)
+    strategy.rebuild(config)
     if zero2:
         for name, value in state_full.items():
             strategy.state[name][...] = value[strategy.shard.start:strategy.shard.stop]
@@ -202,8 +191,8 @@ def drop_replicas(strategy: Any, rec: ulfm.Recovery, *, buddy: Any = None,
             "dropped_ranks": dropped, "data_parallel_size": config.topology.dp}
 
 
-def _zero2_rebuild(strategy: Any, buddy: Any, world: FlatComm, me: Any,
-                   hand_over: Callable[[str], MpiShardError]
+def _zero2_rebuild(strategy: HybridZeRO2Core, buddy: ShardBuddy | None, world: FlatComm,
+                   me: Any, hand_over: Callable[[str], HandOver]
                    ) -> tuple[int, tuple[Any, dict[str, Any]]]:
     """ZeRO-2: the newest step every (tensor, stage) data-parallel group can put
     together exactly, and this rank's group's ``(params, state)`` at it (whole
