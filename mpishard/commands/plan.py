@@ -8,7 +8,7 @@ no MPI.
 
     mpishard plan --table                     # 64 .. 4096 ranks of a 7B GPT
     mpishard plan --tp 8 --pp 4 --dp 16       # one layout
-    mpishard plan --validate bench.jsonl      # against scripts/bench_nodes.py
+    mpishard plan --validate bench.jsonl      # against benchmarks/bench_nodes.py
 
 The model (alpha-beta, per node link):
 
@@ -56,7 +56,7 @@ class Machine:
     flops: float = 150e12                # sustained per rank
     memory: float = 80e9                 # bytes per rank
     # Reduce-scatter time / allreduce time: 1/2 for a bandwidth-optimal MPI;
-    # Open MPI 4.1 measured 1.1 here (scripts/bench_nodes.py, 4 ranks on one node).
+    # Open MPI 4.1 measured 1.1 here (benchmarks/bench_nodes.py, 4 ranks on one node).
     reduce_scatter_cost: float = 0.5
 
 
@@ -225,7 +225,7 @@ def table(model: ModelSpec, machine: Machine, global_batch: int,
 
 
 def validate(records: list[dict[str, Any]]) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Predicted against measured for the lines of ``scripts/bench_nodes.py``.
+    """Predicted against measured for the lines of ``benchmarks/bench_nodes.py``.
 
     Calibration, then prediction of the rest. A ping-pong between two ranks
     overstates what a collective gets where ranks share cores and the reduction
@@ -327,7 +327,7 @@ def add_plan_parser(sub: Any) -> None:
                         help="the fastest fitting layout for 64 .. 4096 ranks")
     parser.add_argument("--worlds", default="64,128,256,512,1024,2048,4096")
     parser.add_argument("--validate", metavar="BENCH.jsonl",
-                        help="compare with the measurements of scripts/bench_nodes.py")
+                        help="compare with the measurements of benchmarks/bench_nodes.py")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
