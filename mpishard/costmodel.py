@@ -49,7 +49,7 @@ class Machine:
     flops: float = 150e12                # sustained per rank
     memory: float = 80e9                 # bytes per rank
     # Reduce-scatter time / allreduce time: 1/2 for a bandwidth-optimal MPI;
-    # Open MPI 4.1 measured 1.1 here (scripts/bench_nodes.py, 4 ranks on one node).
+    # Open MPI 4.1 measured 1.1 here (benchmarks/bench_nodes.py, 4 ranks on one node).
     reduce_scatter_cost: float = 0.5
 
 
@@ -218,7 +218,7 @@ def table(model: ModelSpec, machine: Machine, global_batch: int,
 
 
 def validate(records: list[dict[str, Any]]) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Predicted against measured for the lines of ``scripts/bench_nodes.py``.
+    """Predicted against measured for the lines of ``benchmarks/bench_nodes.py``.
 
     Calibration, then prediction of the rest. A ping-pong between two ranks
     overstates what a collective gets where ranks share cores and the reduction

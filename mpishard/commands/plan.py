@@ -29,7 +29,7 @@ def add_plan_parser(sub: Any) -> None:
                         help="the fastest fitting layout for 64 .. 4096 ranks")
     parser.add_argument("--worlds", default="64,128,256,512,1024,2048,4096")
     parser.add_argument("--validate", metavar="BENCH.jsonl",
-                        help="compare with the measurements of scripts/bench_nodes.py")
+                        help="compare with the measurements of benchmarks/bench_nodes.py")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)

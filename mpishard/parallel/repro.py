@@ -39,7 +39,7 @@ words without reducing after every unit) and their reduction instead of the
 gradient's; no overlap of reduction and backward. Both the deposit and a unit's
 weight-gradient write cost the same for any rows, so the overhead is about
 units per rank times parameters: fewer, larger units (``unit_rows``) cost less.
-``scripts/bench_reproducible.py`` measures them.
+``benchmarks/bench_reproducible.py`` measures them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Pipeline bubble, activation memory and 3D-layout step times, as JSON lines.
 
-    mpirun -n 2 python scripts/bench_pipeline.py      # pp=2: bubble per schedule and m
-    mpirun -n 4 python scripts/bench_pipeline.py      # pp=4, and every 4-rank layout
+    mpirun -n 2 python benchmarks/bench_pipeline.py      # pp=2: bubble per schedule and m
+    mpirun -n 4 python benchmarks/bench_pipeline.py      # pp=4, and every 4-rank layout
 
 Part 1 (``"bench": "bubble"``): a GPT cut into ``p = world`` stages, for GPipe and
 1F1B and ``m`` micro-batches. Each stage times its own forward/backward work

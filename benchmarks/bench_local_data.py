@@ -1,6 +1,6 @@
 """Peak memory per rank of training on rank-local rows, against gathering them everywhere.
 
-    python scripts/bench_local_data.py --ranks 2 --rows 25000,100000,400000 --features 64
+    python benchmarks/bench_local_data.py --ranks 2 --rows 25000,100000,400000 --features 64
 
 For each number of rows per rank and each mode, starts ``mpirun -n RANKS`` of
 this script as a worker. Every rank makes its own ``rows`` x ``features``

@@ -2,8 +2,8 @@
 
 Run under mpirun; prints JSON lines on rank 0::
 
-    mpirun -n 2 python scripts/bench_overlap.py
-    mpirun -n 4 python scripts/bench_overlap.py --sizes 784,2048,2048,10 --bucket-mb 1
+    mpirun -n 2 python benchmarks/bench_overlap.py
+    mpirun -n 4 python benchmarks/bench_overlap.py --sizes 784,2048,2048,10 --bucket-mb 1
 
 For DDP and ZeRO-2 (MLP, float32, Adam, ``--batch-per-rank`` rows per rank) it
 attaches with ``overlap="auto"`` and reports the measured choice and times

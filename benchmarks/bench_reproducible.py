@@ -2,8 +2,8 @@
 
 Run under mpirun; prints one JSON line per measurement on rank 0::
 
-    mpirun -n 2 python scripts/bench_reproducible.py                  # small model
-    mpirun -n 4 python scripts/bench_reproducible.py --models small large --steps 10
+    mpirun -n 2 python benchmarks/bench_reproducible.py                  # small model
+    mpirun -n 4 python benchmarks/bench_reproducible.py --models small large --steps 10
 
 For each model of ``bench_strategies.py`` (``small``: ~1.9M parameters, ``large``:
 ~25M), float32 and float64, DDP and ZeRO-2 (64 rows per rank, Adam), it times

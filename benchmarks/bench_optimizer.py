@@ -8,8 +8,8 @@ of the same formula, and the time the update would take if it moved its
 compulsory bytes (read params, grads, state; write params, state) at the copy
 bandwidth::
 
-    python scripts/bench_optimizer.py                     # 1.9M and 25M float32
-    python scripts/bench_optimizer.py --sizes 1000000 --chunk-sweep
+    python benchmarks/bench_optimizer.py                     # 1.9M and 25M float32
+    python benchmarks/bench_optimizer.py --sizes 1000000 --chunk-sweep
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What ZeRO-2's buddy copies cost (mpishard.recovery.ShardBuddy).
 
-Run under MPI (``mpirun -n 4 python scripts/bench_buddy.py --widths 1024 2048``):
+Run under MPI (``mpirun -n 4 python benchmarks/bench_buddy.py --widths 1024 2048``):
 for each MLP width, two ZeRO-2 strategies with Adam on two copies of the model,
 one plain and one with a buddy (the copies of the neighbour's shard, its own shard
 from before each update, one exchange a step), trained in alternation; prints one

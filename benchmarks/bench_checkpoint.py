@@ -2,7 +2,7 @@
 
 Run it under mpirun at several sizes of job; it prints one JSON line per measurement::
 
-    mpirun -n 4 python scripts/bench_checkpoint.py --sizes 256MiB,1GiB --folder /tmp/ckbench
+    mpirun -n 4 python benchmarks/bench_checkpoint.py --sizes 256MiB,1GiB --folder /tmp/ckbench
 
 For each size S (parameters + Adam's two state vectors, float32, so the
 parameters are S/3) a model of 8 layers is trained by nobody: its parameters and

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Step time of this tree against an earlier revision, side by side in one run.
 #
-#   bash scripts/bench_ab.sh REV [RANKS] [ROUNDS] [-- extra bench_strategies.py args]
+#   bash benchmarks/bench_ab.sh REV [RANKS] [ROUNDS] [-- extra bench_strategies.py args]
 #
-# Runs scripts/bench_strategies.py (PyTorch left out) ROUNDS times from each tree,
+# Runs bench_strategies.py (PyTorch left out) ROUNDS times from each tree,
 # alternating (base, this, base, this, ...) so that a slow spell of the machine
 # hits both alike, and prints its JSON lines with "tree": "base" or "this" added.
 # The base is `git archive REV`, imported ahead of the installed package.
@@ -24,8 +24,11 @@ for round in $(seq "$rounds"); do
   for tree in base this; do
     root=$repo
     [ "$tree" = base ] && root=$base
+    # Revisions up to 0.4 keep the benchmarks in scripts/, later ones in benchmarks/.
+    bench=$root/benchmarks/bench_strategies.py
+    [ -f "$bench" ] || bench=$root/scripts/bench_strategies.py
     PYTHONPATH=$root mpirun $MPISHARD_MPIRUN_FLAGS -n "$ranks" "$py" \
-        "$root/scripts/bench_strategies.py" --no-torch "$@" \
+        "$bench" --no-torch "$@" \
       | "$py" -c 'import json, sys
 for line in sys.stdin:
     if line.startswith("{"):

@@ -1,6 +1,6 @@
 """Time from a worker's death to the first training step after the relaunch.
 
-    python scripts/bench_elastic.py --workers 4 --repeats 3
+    python benchmarks/bench_elastic.py --workers 4 --repeats 3
 
 Runs ``mpishard run`` over ``tests/elastic_worker.py`` (a small MLP with
 ElasticOptimizer, checkpoints every 4 steps); one worker SIGKILLs itself at step

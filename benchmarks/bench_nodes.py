@@ -1,6 +1,6 @@
 """Flat against hierarchical gradient reductions on the namespace cluster (JSON lines).
 
-    python scripts/bench_nodes.py [--layouts 2x2,2x2rr,4x1] [--link-gbit 2] [--mib 4,32]
+    python benchmarks/bench_nodes.py [--layouts 2x2,2x2rr,4x1] [--link-gbit 2] [--mib 4,32]
 
 For each layout NODESxRANKS (suffix ``rr``: ranks placed round robin, ``--map-by
 node``, instead of by slot) it starts ``scripts/cluster-local.sh`` with that many

@@ -2,8 +2,8 @@
 
 Run under mpirun; prints one JSON line per measurement on rank 0::
 
-    mpirun -n 2 python scripts/bench_strategies.py            # both models
-    mpirun -n 2 python scripts/bench_strategies.py --models small --steps 30
+    mpirun -n 2 python benchmarks/bench_strategies.py            # both models
+    mpirun -n 2 python benchmarks/bench_strategies.py --models small --steps 30
 
 For each model (float32, Adam, batch 64 per rank) and each strategy it reports the
 mean step time split into forward+backward, communication, optimizer and

@@ -19,7 +19,7 @@ relaunched workers under the agent), and the steps lost (steps done again).
   (checkpoint every 4 steps); it relaunches at one worker fewer, which resume from
   the newest checkpoint.
 
-Run: ``.venv/bin/python scripts/bench_recovery.py --sizes 2 4 8 --trials 10``.
+Run: ``.venv/bin/python benchmarks/bench_recovery.py --sizes 2 4 8 --trials 10``.
 """
 
 from __future__ import annotations
