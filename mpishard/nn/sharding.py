@@ -31,6 +31,7 @@ import numpy as np
 from ..backend import array_namespace
 from ..flat import ParamLayout, Range
 from ..protocols import BackwardHooks
+from .activations import pair_bias_activations
 from .base import BatchContext, Layer
 from .losses import Loss
 from .shards import TensorShard, owned_ranges, split_range, tensor_shards
@@ -165,6 +166,8 @@ class ShardedSequential:
             layer.init_params(np.random.default_rng([self.seed, i]))
             specs = [self.layout[name] for _, name in self._names[j]]
             self._ranges.append(Range(specs[0].offset, specs[-1].range.stop) if specs else None)
+        # act(x @ W + b) in one pass where an activation follows a Linear.
+        pair_bias_activations(self.layers)
         if self.criterion is not None:
             self.criterion.build(self.xp, dt)
         self._grad_views = self._views_of(lambda name: self.layout.view(self.grads, name))
