@@ -150,6 +150,8 @@ class RowMover:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         have = self._pinned.get(key)
         if have is None or have[0].nbytes < nbytes:
+            if have is not None:
+                have[1].synchronize()   # the old buffer's last copy, before it is freed
             # Pinned: the copy to the device is a DMA transfer that runs while the
             # host goes on (from pageable memory the driver copies it twice).
             mem = xp.cuda.alloc_pinned_memory(max(nbytes, 1))
