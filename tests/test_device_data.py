@@ -225,3 +225,39 @@ def test_row_mover_casts_and_reuses_its_buffers(xp):
     # One set of buffers, made at the first batch (NumPy has none to make).
     assert len({s for s in seen if s and s[0] != "index"}) <= 1
     assert len({s for s in seen if s and s[0] == "index"}) <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("kernels", ["0", "1"])
+@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
+def test_no_allocation_in_the_step_loop(strategy, kernels, model_name, monkeypatch):
+    """CuPy's memory pool holds the same bytes after step 3 as after step 30:
+    nothing is allocated and kept in the step loop (host data, device model)."""
+    from conftest import _cupy_or_skip
+
+    from mpishard.nn import GPT
+
+    cp = _cupy_or_skip()
+    monkeypatch.setenv("MPISHARD_GPU_KERNELS", kernels)
+    rng = np.random.default_rng(0)
+    if model_name == "mlp":
+        model = MLP([32, 64, 64, 8], activation="gelu", layer_norm=True, dtype=np.float32,
+                    xp=cp)
+        x = rng.standard_normal((960, 32)).astype(np.float32)
+        y = rng.integers(0, 8, 960)
+    else:
+        model = GPT(40, 16, 32, 4, 2, dtype=np.float32, xp=cp)
+        x = rng.integers(0, 40, (960, 16))
+        y = rng.integers(0, 40, (960, 16))
+    pool = cp.get_default_memory_pool()
+    used = {}
+
+    def record(step, loss):
+        if step in (3, 30):
+            cp.cuda.get_current_stream().synchronize()
+            used[step] = pool.used_bytes()
+
+    dist = STRATEGIES[strategy](make_opt(), ShardingConfiguration(WORLD), bucket_mb=0.01)
+    dist.optimize(model, (x, y), epochs=1, batch_size=32, callback=record)
+    assert set(used) == {3, 30} and used[3] == used[30], used
