@@ -183,6 +183,10 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
     from ..errors import MpiShardError
 
     dtype = np.dtype(s.dtype)
+    xp, gpu = np, None
+    if s.device == "cuda":   # before the data: a rank without a GPU stops the job here
+        xp, gpu = _agreed(comm, "--device cuda", lambda: _gpu(comm, s.gpu_index),
+                          (RuntimeError,))
     data, validation, what = _data(s, comm, dtype, closers)
     n_in, n_out = _widths(s, data)
     n_samples = len(data) if isinstance(data, Dataset) else len(data[0])
@@ -196,7 +200,7 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
                                        pipeline_parallel_size=s.pp, data_parallel_size=s.dp,
                                        reproducible=s.reproducible,
                                        fault_tolerance=s.fault_tolerance)
-        model = _model(s, config, dtype, n_in, n_out)
+        model = _model(s, config, dtype, n_in, n_out, xp)
         return config, model, _strategy(s, config, model, steps, warmup)
 
     # The library's own checks (heads or widths per tensor rank, layers per
@@ -214,9 +218,11 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
               f"hybrid on {comm.size} rank(s): tp {topo.tp} x pp {topo.pp} x dp "
               f"{topo.dp}, {s.micro_batches} micro-batches, {s.schedule}, "
               f"{s.data_parallel} across replicas")
+    where = ("" if gpu is None else
+             f", on {gpu.name} GPUs (rank 0: GPU {gpu.device}, {gpu.why})")
     description = [
         f"{name} of {params:,} parameters ({shape}) on {what}",
-        f"{layout}{', reproducible' if s.reproducible else ''}; global batch "
+        f"{layout}{where}{', reproducible' if s.reproducible else ''}; global batch "
         f"{s.batch_size}, {s.epochs} epochs = {steps} steps, "
         f"{s.optimizer} lr {s.lr:g}, cosine schedule",
     ]
@@ -267,6 +273,13 @@ def _data(s: Settings, comm: FlatComm, dtype: np.dtype,
     return dataset, None, f"{len(dataset):,} samples of {s.data} ({rule}, read in parallel)"
 
 
+def _gpu(comm: FlatComm, index: int | None) -> tuple[Any, Any]:
+    """CuPy with this rank's GPU current, and the choice. Collective over ``comm``."""
+    from ..comm import choose_gpu
+
+    return choose_gpu(comm, index)
+
+
 def _widths(s: Settings, data: Any) -> tuple[int, int]:
     if s.example == "gpt":
         return 0, 0
@@ -275,18 +288,19 @@ def _widths(s: Settings, data: Any) -> tuple[int, int]:
     return data[0].shape[1], data[1].shape[1]
 
 
-def _model(s: Settings, config: Any, dtype: np.dtype, n_in: int, n_out: int) -> Any:
+def _model(s: Settings, config: Any, dtype: np.dtype, n_in: int, n_out: int,
+           xp: Any = np) -> Any:
     from ..examples.text import VOCAB_SIZE
     from ..nn import GPT, MLP, ParallelMLP
 
     if s.example == "gpt":
         factory = functools.partial(GPT, VOCAB_SIZE, s.seq_len, s.d_model, s.heads, s.layers,
-                                    dtype=dtype, seed=s.seed)
+                                    dtype=dtype, seed=s.seed, xp=xp)
     else:
         sizes = [n_in, *s.hidden, n_out]
         cls = ParallelMLP if s.strategy == "hybrid" else MLP
         factory = functools.partial(cls, sizes, activation=s.activation, loss="mse",
-                                    dtype=dtype, seed=s.seed)
+                                    dtype=dtype, seed=s.seed, xp=xp)
     if s.strategy != "hybrid":
         return factory()
     from ..strategies import HybridShardedModel

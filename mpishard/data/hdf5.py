@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import from_comm, hdf5_deadline
+from .transfer import RowMover
 
 __all__ = ["HDF5Dataset", "parse_data_spec"]
 
@@ -103,6 +104,7 @@ class HDF5Dataset:
         self._y = self._file[targets] if targets is not None else None
         self._next_row = targets is None
         self.rows_read = {"inputs": 0, "targets": 0}
+        self._mover = RowMover()
 
     def _check(self, inputs: str, targets: str | None) -> str | None:
         import h5py
@@ -176,8 +178,9 @@ class HDF5Dataset:
             want, inverse = np.unique(idx, return_inverse=True)
             x = self._rows(self._x, want, "inputs")[inverse]
             y = self._rows(self._y, want, "targets")[inverse]
-        _copy(x, x_out)
-        _copy(y, y_out)
+        # Into a device buffer through pinned memory: one copy up each.
+        self._mover.put(x, x_out, key="x")
+        self._mover.put(y, y_out, key="y")
 
     def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Samples ``[start, stop)`` as new arrays (e.g. a validation set). Not collective."""
@@ -214,9 +217,3 @@ class HDF5Dataset:
         return (f"HDF5Dataset({self.path!r}, inputs={self.inputs!r}, targets={targets!r}, "
                 f"samples={len(self)}, driver={self.driver!r})")
 
-
-def _copy(src: np.ndarray, out: Any) -> None:
-    if isinstance(out, np.ndarray):
-        out[...] = src.reshape(out.shape)
-    else:   # a device buffer: one host-to-device copy
-        out.set(np.ascontiguousarray(src.reshape(out.shape), dtype=out.dtype))

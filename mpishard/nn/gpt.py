@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .activations import GELU
+from .activations import GELU, pair_bias_activations
 from .attention import CausalSelfAttention
 from .base import BatchContext, Layer
 from .embedding import Embedding, LMHead, sequence_shape
@@ -64,6 +64,7 @@ class TransformerBlock(Layer):
         self.gelu = GELU()
         self.fc2 = RowParallelLinear(4 * d_model, d_model, tp_comm,
                                      init_std=init_std if out_std is None else out_std)
+        pair_bias_activations([self.fc1, self.gelu])   # gelu(x @ W + b): one pass
         self._subs: list[tuple[str, Layer]] = [
             ("ln1", self.ln1), ("attn", self.attn), ("ln2", self.ln2),
             ("mlp.fc1", self.fc1), ("mlp.gelu", self.gelu), ("mlp.fc2", self.fc2)]

@@ -22,6 +22,7 @@ import numpy as np
 from ..backend import array_namespace
 from ..flat import ParamLayout, Range
 from ..protocols import BackwardHooks
+from .activations import pair_bias_activations
 from .base import BatchContext, Layer
 from .losses import Loss
 from .shards import TensorShard
@@ -150,6 +151,8 @@ class LayerStack:
             layer.init_params(np.random.default_rng([self.seed, i]))
             specs = [self.layout[name] for _, name in self._names[j]]
             self._ranges.append(Range(specs[0].offset, specs[-1].range.stop) if specs else None)
+        # act(x @ W + b) in one pass where an activation follows a Linear.
+        pair_bias_activations(self.layers)
         if self.criterion is not None:
             self.criterion.build(self.xp, dt)
         self._grad_views = self._views_of(lambda name: self.layout.view(self.grads, name))

@@ -134,6 +134,10 @@ class ColumnParallelLinear(Layer):
         ValueError: ``out_features`` not divisible by ``p``; not positive sizes.
     """
 
+    #: The bias may be left to the activation after it (as :class:`Linear`'s).
+    folds_bias = True
+    defer_bias = False
+
     def __init__(self, in_features: int, out_features: int, tp_comm: FlatComm | None = None,
                  bias: bool = True, *, reduce_input_grad: bool = True,
                  init_std: float | None = None) -> None:
@@ -189,7 +193,7 @@ class ColumnParallelLinear(Layer):
     def forward(self, x: Any, buf: dict[str, Any], ctx: BatchContext | None) -> Any:
         y = buf["y"]
         self.xp.matmul(x, self.params["weight"], out=y)
-        if self.bias:
+        if self.bias and not self.defer_bias:
             y += self.params["bias"]
         buf["x"] = x
         return y
