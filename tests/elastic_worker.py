@@ -12,6 +12,8 @@ launch only (MPISHARD_ELASTIC_RESTARTS unset or 0):
   --slow-after-restart T   sleep T seconds per step on relaunches (test timing)
   --step-seconds T   sleep T seconds in every step (a step longer than mpirun's
                      SIGTERM-to-SIGKILL interval)
+  --exit-zero        a worker script written for 0.1: it never reads opt.exit_code
+                     (nor stop_reason) and exits 0 whenever optimize() returns
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def main() -> None:
     p.add_argument("--stop-at", type=int)
     p.add_argument("--slow-after-restart", type=float, default=0.0)
     p.add_argument("--step-seconds", type=float, default=0.0)
+    p.add_argument("--exit-zero", action="store_true")
     args = p.parse_args()
     kill_ranks = {int(r) for r in args.kill_rank.split(",")}
 
@@ -103,6 +106,11 @@ def main() -> None:
     opt.exit_on_signal = False
     result = opt.optimize(model, (x, y), epochs=args.epochs, batch_size=args.batch,
                           callback=after_step)
+    if args.exit_zero:
+        write({"final_step": opt.step_count, "stopped": result.stopped})
+        if opt.config.world.rank == 0 and args.out:
+            np.save(args.out, model.params)
+        return
     write({"final_step": opt.step_count, "stopped": result.stopped,
            "reason": opt.stop_reason, "resumed_from": opt.resumed_from,
            "recovery_seconds": opt.recovery_seconds, "recoveries": result.recoveries,

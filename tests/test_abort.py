@@ -29,10 +29,11 @@ def test_constructor_names_what_it_waited_for():
     assert "constructed" not in out
     line = next(x for x in out.splitlines() if x.startswith("[mpishard]"))
     assert line.startswith("[mpishard] world rank 0 on "), line
-    assert "(rank 0 of the parent group): Ibarrier over the parent group (size 2) in " \
-           "ShardingConfiguration() over MPI.COMM_WORLD (no comm= given), which every one " \
-           "of its 2 ranks must call; where other ranks do other work (a simulation), pass " \
-           "comm= the communicator of the ranks that train did not finish within 2 s" in line, line
+    assert "(rank 0 of the MPI.COMM_WORLD group): Iallreduce over the MPI.COMM_WORLD group " \
+           "(size 2) in ShardingConfiguration() over MPI.COMM_WORLD (no comm= given), which " \
+           "every one of its 2 ranks must call; where other ranks do other work (a " \
+           "simulation), pass comm= the communicator of the ranks that train did not finish " \
+           "within 2 s (timeout=2: a wait for the other ranks of the group)" in line, line
 
 
 def test_uncaught_exception_names_world_rank_host_and_group_rank():
@@ -56,7 +57,7 @@ def test_uncaught_exception_names_world_rank_host_and_group_rank():
     import socket
 
     host = socket.gethostname()
-    assert (f"[mpishard] world rank 3 on {host} (rank 1 of the world group): uncaught "
+    assert (f"[mpishard] world rank 3 on {host} (rank 1 of the training group): uncaught "
             f"ValueError: bad surrogate input; MPI_Abort ends all 4 processes of "
             f"MPI.COMM_WORLD, not only the 2 that train") in out, out
     assert "abort_on_exception=False" in out

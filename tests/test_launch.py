@@ -38,7 +38,7 @@ def test_uncaught_exception_on_one_rank_aborts_the_job(mpirun):
     """)
     assert code != 0
     # One report, from the rank that failed, naming it in the world and in its group.
-    reports = re.findall(r"\[mpishard\] world rank (\d+) on \S+ \(rank (\d+) of the world "
+    reports = re.findall(r"\[mpishard\] world rank (\d+) on \S+ \(rank (\d+) of the training "
                          r"group\): uncaught RuntimeError: boom on rank one; MPI_Abort ends all "
                          r"3 processes of MPI.COMM_WORLD .*; aborting the job", out)
     assert reports == [("1", "1")], out

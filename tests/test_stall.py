@@ -89,7 +89,7 @@ def test_rank_late_for_a_checkpoint(tmp_path, call, n):
     stall = f"if rank == {n - 1}:\n    time.sleep({SLEEP})"
     job = mpirun(n, checkpoint_job(tmp_path, stall, call), timeout=SLEEP + 60)
     function = call.split("(")[0]
-    lines = _check(job, where=f"Iallreduce over the world group (size {n}) in {function}(",
+    lines = _check(job, where=f"Iallreduce over the training group (size {n}) in {function}(",
                    waiters=list(range(n - 1)))
     assert all(str(tmp_path) in line for line in lines)
 

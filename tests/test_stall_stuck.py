@@ -56,7 +56,7 @@ print("unreachable", flush=True)
 """
 
 HOW = {"sigstop": "os.kill(os.getpid(), signal.SIGSTOP)", "loop": "spin()",
-       # A deadlock: this rank waits in a barrier over the world group while the
+       # A deadlock: this rank waits in a barrier over the training group while the
        # other waits in the step's Allreduce over the data-parallel group.
        "deadlock": "config.world.barrier()"}
 
@@ -115,7 +115,7 @@ def test_deadlock_names_the_call_the_other_rank_waits_in():
     host = socket.gethostname()
     # Both ranks time out; whichever reports first names the other's call.
     calls = {0: "Iallreduce over the data-parallel group (size 2)",
-             1: "Ibarrier over the world group (size 2)"}
+             1: "Ibarrier over the training group (size 2)"}
     for line in lines:
         waiter = int(re.search(r"\[mpishard\] world rank (\d+) ", line).group(1))
         other = 1 - waiter

@@ -59,13 +59,13 @@ opt = DDPOptimizer(Adam(lr=1e-2), config)
 with StopRequest() as stop:
     opt.optimize(MLP([5, 8, 3], seed=1), (x, y), epochs=2, batch_size=16,
                  callback=stall_after(3), stop=stop)
-""", "Iallreduce", "world", "stop agreement"),
+""", "Iallreduce", "training", "stop agreement"),
     # (a) the same inside ElasticOptimizer, which always agrees on a stop.
     "elastic-stop-agreement": ("""
 config = ShardingConfiguration(MPI.COMM_WORLD, timeout=2)
 opt = ElasticOptimizer(Adam(lr=1e-2), config, 1, 4, strategy="zero2", exit_on_signal=False)
 opt.optimize(MLP([5, 8, 3], seed=1), (x, y), epochs=2, batch_size=16, callback=stall_after(2))
-""", "Iallreduce", "world", "stop agreement"),
+""", "Iallreduce", "training", "stop agreement"),
     # (b) inside the evaluation of a model whose forward is collective (tp=2).
     "evaluate-tensor-parallel": ("""
 import functools
