@@ -239,6 +239,27 @@ def test_hdf5_data_and_progress_bar(tmp_path):
 
 
 @LAUNCH
+def test_data_header_says_the_dtype_it_trains_in(tmp_path):
+    """A float64 file trains in --dtype's precision (float32 by default): the header
+    says so, and how to train in the file's; the --help of --dtype says it too."""
+    path = tmp_path / "series.h5"
+    with h5py.File(path, "w") as f:
+        f["u"] = np.cumsum(np.random.default_rng(0).standard_normal((65, 3)), axis=0)
+    said = {}
+    for dtype in ("float32", "float64"):
+        run = mpishard(1, "train", "--data", f"{path}:/u", "--dtype", dtype, "--max-steps",
+                       "1", "--batch-size", "16", "--out", str(tmp_path / dtype))
+        assert run.returncode == 0, run.stderr
+        said[dtype] = run.stdout.splitlines()[0]
+    assert said["float32"].endswith("read in parallel; stored as float64, trained as float32: "
+                                    "--dtype float64 trains in the file's precision)"), said
+    assert said["float64"].endswith("read in parallel)"), said
+    helped = subprocess.run([sys.executable, "-m", "mpishard", "train", "--help"],
+                            capture_output=True, text=True, timeout=60, env=mpi_env())
+    assert "also the dtype --data is trained in" in " ".join(helped.stdout.split())
+
+
+@LAUNCH
 def test_plot_draws_the_loss_curve(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.parent.mkdir()

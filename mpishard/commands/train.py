@@ -276,8 +276,8 @@ def _data(s: Settings, comm: FlatComm, dtype: np.dtype,
     # the header says so where the two differ, and how to train in the file's.
     cast = "" if stored <= {dtype} else (
         f"; stored as {'/'.join(sorted(d.name for d in stored))}, trained as {dtype.name}"
-        + (f" (--dtype {max(stored, key=lambda d: d.itemsize).name} trains in the file's "
-           f"precision)" if max(d.itemsize for d in stored) > dtype.itemsize else ""))
+        + (f": --dtype {max(stored, key=lambda d: d.itemsize).name} trains in the file's "
+           f"precision" if max(d.itemsize for d in stored) > dtype.itemsize else ""))
     return dataset, None, (f"{len(dataset):,} samples of {s.data} ({rule}, read in "
                            f"parallel{cast})")
 
