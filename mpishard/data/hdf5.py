@@ -14,11 +14,13 @@ The ranks that open the file are named explicitly (``comm=``: the
 :class:`~mpishard.ShardingConfiguration` the data trains under, one of its
 groups, or an mpi4py communicator): in a job whose other ranks do other work (a
 simulation), a collective open over ``MPI.COMM_WORLD`` would wait for ranks that
-never come. Only a job of one process may leave it out. With a configuration
-the collective open and close wait under its file-I/O deadline (``io_timeout=``,
-:mod:`mpishard.comm.deadlines`). A dataset still open when the process exits is
-closed then (collectively, in the order the datasets were opened, before MPI
-ends), so a forgotten :meth:`~HDF5Dataset.close` costs no error at exit.
+never come. Only a job of one process may leave it out. The dataset works on
+its own duplicate of those ranks' communicator (freed by ``close``). With a
+configuration the collective open and close wait under its file-I/O deadline
+(``io_timeout=``, :mod:`mpishard.comm.deadlines`). A dataset still open when
+the process exits is closed then (collectively, in the order the datasets were
+opened, before MPI ends), so a forgotten :meth:`~HDF5Dataset.close` costs no
+error at exit, even after the configuration was freed.
 
 Inputs and targets:
 
@@ -89,15 +91,24 @@ class HDF5Dataset:
     def __init__(self, path: str | os.PathLike, inputs: str, targets: str | None = None, *,
                  comm: Any = None, driver: str = "auto") -> None:
         self._file = None
-        comm = _ranks(comm)
+        self.comm: FlatComm | None = None
+        group = _ranks(comm)
         self.path = os.fspath(path)
-        self.comm = comm
         if driver not in ("auto", "mpio", "serial"):
             raise ValueError(f"driver must be 'auto', 'mpio' or 'serial', got {driver!r}")
         # Every wait of opening is one for the file (its checks read it on every
-        # rank): under the file-I/O deadline, a late rank named with it.
-        with comm.deadline("io"), comm.during(f"HDF5Dataset({self.path})"):
-            self._open(inputs, targets, driver)
+        # rank): under the file-I/O deadline, a late rank named with it. The
+        # dataset's own duplicate of the group: its calls never meet the caller's,
+        # and it outlives the group (a configuration freed before the exit).
+        opening = f"HDF5Dataset({self.path})"
+        with group.deadline("io"), group.during(opening):
+            self.comm = group.dup(context=False)
+        try:
+            with self.comm.deadline("io"), self.comm.during(opening):
+                self._open(inputs, targets, driver)
+        except BaseException:
+            self.close()                      # the file, if open, and the duplicate
+            raise
         self.inputs, self.targets = inputs, targets
         assert self._file is not None
         self._x = self._file[inputs]
@@ -111,6 +122,7 @@ class HDF5Dataset:
         import h5py
 
         comm = self.comm
+        assert comm is not None
         missing = None if os.path.isfile(self.path) else f"{self.path}: no such file"
         comm.agree(missing, FileNotFoundError)
         comm.agree(None if h5py.is_hdf5(self.path) else f"{self.path}: not an HDF5 file",
@@ -127,10 +139,7 @@ class HDF5Dataset:
         else:
             self._file = h5py.File(self.path, "r")
         _OPEN.append(weakref.ref(self))
-        problem = self._check(inputs, targets)
-        if problem is not None:
-            self.close()
-        comm.agree(problem, ValueError)
+        comm.agree(self._check(inputs, targets), ValueError)
 
     def _check(self, inputs: str, targets: str | None) -> str | None:
         import h5py
@@ -228,14 +237,18 @@ class HDF5Dataset:
         return data.reshape(len(sorted_unique), -1) if data.ndim == 1 else data
 
     def close(self) -> None:
-        """Close the file. Collective over ``comm`` with the ``mpio`` driver."""
+        """Close the file. Collective over ``comm``."""
         if self._file is not None:
             file, self._file = self._file, None
             if self.driver == "mpio":
+                assert self.comm is not None
                 with hdf5_deadline(self.comm, "HDF5 File close (mpio)"):
                     file.close()
             else:
                 file.close()
+        if self.comm is not None:
+            comm, self.comm = self.comm, None
+            comm.free()
 
     def __enter__(self) -> HDF5Dataset:
         return self

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.launch
 #: World rank 0 simulates; the others train on ``ml``. ``late(seconds)`` sleeps on
 #: the last trainer only.
 SETUP = """
-import json, time
+import json, sys, time
 import numpy as np
 from mpi4py import MPI
 from mpishard import CommunicationError, ShardingConfiguration
@@ -61,13 +61,24 @@ def batches(n=4, late_at=None, seconds=0.0):
         yield x, np.tanh(x @ w)
 
 def report(what):
-    print(f"RESULT {world.rank} " + json.dumps(what), flush=True)
+    sys.stdout.write(f"RESULT {world.rank} " + json.dumps(what) + "\\n")
+    sys.stdout.flush()
 """
 
 
+def reports(out: str) -> dict[int, list]:
+    """Each rank's reports, in order. (mpirun forwards the ranks' output in pieces
+    that may meet on one line: each report is read from its tag on.)"""
+    found: dict[int, list] = {}
+    decoder = json.JSONDecoder()
+    for match in re.finditer(r"RESULT (\d+) ", out):
+        found.setdefault(int(match.group(1)), []).append(decoder.raw_decode(out, match.end())[0])
+    return found
+
+
 def results(out: str) -> dict[int, object]:
-    found = dict(re.findall(r"^RESULT (\d+) (.*)$", out, re.MULTILINE))
-    return {int(k): json.loads(v) for k, v in found.items()}
+    """Each rank's last report."""
+    return {rank: said[-1] for rank, said in reports(out).items()}
 
 
 def serial(n: int = 4) -> np.ndarray:
@@ -188,9 +199,7 @@ everyone = waited(world.Ibarrier())
 report({"world": everyone, "sum": world.allreduce(world.rank) if everyone else None})
 """, timeout=120)
     assert code == 0, out
-    got: dict[int, list] = {}
-    for rank, text in re.findall(r"^RESULT (\d+) (.*)$", out, re.MULTILINE):
-        got.setdefault(int(rank), []).append(json.loads(text))
+    got = reports(out)
     for r in (1, 2):
         first, everyone = got[r]
         assert first["barrier"] is True and first["total"] == 3, out
@@ -211,38 +220,62 @@ def _series(tmp_path):
     return path, u
 
 
-def test_hdf5_dataset_opens_over_the_ranks_it_is_given_and_closes_at_exit(tmp_path):
-    """Not over MPI.COMM_WORLD unasked (the simulation would never come); over the
-    configuration's ranks; left open, it is closed at exit without tracebacks."""
+def test_hdf5_dataset_opens_over_the_ranks_it_is_given(tmp_path):
+    """Not over MPI.COMM_WORLD unasked (the simulation would never come: before,
+    the trainers hung there without a word); over the configuration's ranks."""
     path, u = _series(tmp_path)
     code, out, _ = mpirun(3, SETUP + f"""
 from mpishard.data import HDF5Dataset
 if trains:
     config = ShardingConfiguration(ml, timeout=30)
     try:
-        HDF5Dataset("{path}", "/u")
+        HDF5Dataset("{path}", "/u").close()
         report({{"default": None}})
     except TypeError as exc:
         report({{"default": str(exc)}})
-    data = HDF5Dataset("{path}", "/u", comm=config)       # never closed
-    x, y = data.read(0, len(data))
-    np.save(f"{tmp_path}/x-{{world.rank}}.npy", x)
-    np.save(f"{tmp_path}/y-{{world.rank}}.npy", y)
-    report({{"rows": len(data), "driver": data.driver}})
-""", timeout=120)
+    with HDF5Dataset("{path}", "/u", comm=config) as data:
+        x, y = data.read(0, len(data))
+        np.save(f"{tmp_path}/x-{{world.rank}}.npy", x)
+        np.save(f"{tmp_path}/y-{{world.rank}}.npy", y)
+        report({{"rows": len(data), "driver": data.driver}})
+""", timeout=60)
     assert code == 0, out
-    got: dict[int, list] = {}
-    for rank, text in re.findall(r"^RESULT (\d+) (.*)$", out, re.MULTILINE):
-        got.setdefault(int(rank), []).append(json.loads(text))
+    got = reports(out)
     assert sorted(got) == [1, 2], out
     for r in (1, 2):
         default, data = got[r]
-        assert "HDF5Dataset opens its file collectively: pass comm= the ranks that train" \
-               in default["default"], out
+        assert default["default"] == (
+            "HDF5Dataset opens its file collectively: pass comm= the ranks that train (the "
+            "ShardingConfiguration, or a communicator); MPI.COMM_WORLD, of 3 processes here, "
+            "is not assumed"), out
         assert data["rows"] == 64 and data["driver"] == "mpio", out
         np.testing.assert_array_equal(np.load(tmp_path / f"x-{r}.npy"), u[:-1])
         np.testing.assert_array_equal(np.load(tmp_path / f"y-{r}.npy"), u[1:])
+
+
+@pytest.mark.parametrize("comm", ["config", "config.world", "ml"])
+def test_hdf5_dataset_left_open_is_closed_at_exit(tmp_path, comm):
+    """A dataset whose close() was forgotten (two of them, opened over the trainers'
+    ranks) is closed at exit, after the configuration was freed: no h5py traceback,
+    no abort, exit status 0."""
+    path, u = _series(tmp_path)
+    code, out, _ = mpirun(3, SETUP + f"""
+from mpishard.data import HDF5Dataset
+if trains:
+    config = ShardingConfiguration(ml, timeout=30)
+    first = HDF5Dataset("{path}", "/u", comm={comm})
+    second = HDF5Dataset("{path}", "/u", comm={comm})
+    x, _ = first.read(0, 4)
+    report({{"x": x.tolist(), "driver": second.driver}})
+    config.free()
+""", timeout=60)
+    assert code == 0, out
+    got = results(out)
+    for r in (1, 2):
+        np.testing.assert_array_equal(got[r]["x"], u[:4])
+        assert got[r]["driver"] == "mpio", out
     assert "Traceback" not in out and "objects still open" not in out, out
+    assert "[mpishard]" not in out, out
 
 
 def test_hdf5_dataset_opens_under_the_io_deadline(tmp_path):
