@@ -21,19 +21,23 @@ class ShardingConfiguration:
 
     ``comm`` may be any intra-communicator: a simulation that owns
     ``MPI.COMM_WORLD`` can give the library a sub-communicator of it. The groups
-    are built by the constructor, collectively over ``comm``: the library's one
-    call on ``comm`` is ``MPI_Comm_idup`` (under the timeout), so its messages
-    never mix with the caller's, and every later call goes through the groups'
-    communicators. After a timeout there (``abort_on_exception=False``) that
-    duplication stays pending on ``comm`` until the late ranks call the
-    constructor too (they then time out on the library's duplicate, not on
-    ``comm``), after which ``comm`` serves the caller's own collectives again,
-    on every rank; MPI cannot withdraw a collective, so a rank of ``comm`` that
-    never calls the constructor leaves ``comm`` unusable for collectives.
+    are built by the constructor, collectively over ``comm``. Its calls on
+    ``comm`` are two, both under the timeout: an ``MPI_Iallreduce`` of the
+    ranks' arrival times, then ``MPI_Comm_idup``; every later call goes through
+    the groups' communicators, so the library's messages never mix with the
+    caller's. After a timeout in the first (``abort_on_exception=False``) its
+    request stays pending on ``comm`` until the late ranks call the constructor
+    too: their call completes it, reads from the arrival times that the others
+    gave up, and raises as well, so the caller's next collective on ``comm``
+    pairs up on every rank. (MPI cannot withdraw a collective: a rank of
+    ``comm`` that never calls the constructor leaves ``comm`` unusable for
+    collectives.)
 
-    The library's top group is named ``world`` in messages when ``comm`` spans
-    ``MPI.COMM_WORLD``, and ``training`` when it is a sub-communicator (so a
-    "world rank" in a message is always a rank of ``MPI.COMM_WORLD``).
+    Messages name a process by its rank in ``MPI.COMM_WORLD`` ("world rank 3"),
+    with its rank in a group of the library beside it; the library's top group
+    (the ranks of ``comm``, :attr:`world`) is the ``training`` group, ``comm``
+    itself before it is duplicated the ``MPI.COMM_WORLD`` group or the
+    ``caller's`` group.
 
     Args:
         comm: parent communicator; ``MPI.COMM_WORLD`` by default.
@@ -125,8 +129,7 @@ class ShardingConfiguration:
         self.deadlines = Deadlines.build(self.timeout, self.data_timeout, self.io_timeout)
         given = self.comm is not None
         parent = from_comm(self.comm, "caller's", self.deadlines)
-        whole = parent.spans_world()
-        if whole:
+        if parent.is_world():
             parent.name = "MPI.COMM_WORLD"
         parent.abort_job = self.abort_on_exception
         # The first collective, under the timeout: a rank of ``comm`` that never

@@ -736,9 +736,9 @@ class FlatComm:
         child.abort_job = self.abort_job
         return child
 
-    def spans_world(self) -> bool:
-        """The group holds every rank of ``MPI.COMM_WORLD``. Local."""
-        return self.size == MPI.COMM_WORLD.Get_size()
+    def is_world(self) -> bool:
+        """The group's communicator is ``MPI.COMM_WORLD`` itself. Local."""
+        return MPI.Comm.Compare(self.comm, MPI.COMM_WORLD) == MPI.IDENT
 
     def world_ranks(self) -> list[int]:
         """The ``MPI.COMM_WORLD`` rank of each rank of the group, in group order. Local."""
