@@ -75,6 +75,7 @@ def _reference(tmp: Path, phases: list[tuple[int, int | None]]) -> np.ndarray:
         proc = subprocess.run(cmd, env=mpi_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=120)
         assert proc.returncode == (EXIT_STOPPED if stop_at is not None else 0), proc.stdout
+        assert "never read opt.exit_code" not in proc.stdout   # this script reads it
     return np.load(tmp / "reference.npy")
 
 
