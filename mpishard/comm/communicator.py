@@ -267,8 +267,8 @@ class FlatComm:
                                  "code took another path)"), detail=detail)
 
     def describe(self, what: str) -> str:
-        """``what`` named as in a timeout message: "Ibcast over the world group
-        (size 4) in save_checkpoint(/runs/c.h5)"."""
+        """``what`` named as in a timeout message: "Ibcast over the training
+        group (size 4) in save_checkpoint(/runs/c.h5)"."""
         text = f"{what} over the {self.name} group (size {self.size})"
         return f"{text} in {self._during[-1]}" if self._during else text
 
