@@ -179,7 +179,7 @@ class ZeRO2Core(DataParallelCore):
     def _scratch_of(self, slot: int) -> Any:
         if self._scratch is None:
             size = max(max(len(m) for m in self._mine), 1)
-            self._scratch = [self.xp.empty(size, dtype=self.model.params.dtype)
+            self._scratch = [self.xp.empty(size, dtype=self.dtype)
                              for _ in range(_SLOTS)]
             self._peak_bytes = max(self._peak_bytes, self._current_bytes())
         return self._scratch[slot]
@@ -284,7 +284,7 @@ class ZeRO2Core(DataParallelCore):
         For a checkpoint or an export; allocates full-size arrays (they count in
         the peak of :meth:`memory_report`). Collective over ``groups.dp``.
         """
-        n = self.model.params.size
+        n = self.layout.size
         full = {}
         for name, shard in self.state.items():
             whole = self.xp.zeros(n, dtype=shard.dtype)
