@@ -12,7 +12,7 @@ from ..errors import HandOver, InexactRecoveryWarning
 from ..exitcodes import EXIT_STOPPED
 from ..parallel import DDPCore, HybridCore, HybridShardedModel, ZeRO2Core, ZeRO3Core
 from ..protocols import StrategyCore
-from .common import StepMarks, survivors_config
+from .common import StepMarks, error_text, put_state, survivors_config
 from .replicas import drop_replicas
 from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
 
@@ -123,15 +123,10 @@ def recover_in_place(core: StrategyCore, exc: BaseException | None = None, *,
         world.Bcast(model.params, root=rec.source)
     core.rebuild(config)
     rolled_back = None
-    if full is not None:
-        for name, value in full.items():
-            core.state[name][...] = value[core.shard.start:core.shard.stop]
-    elif zero2:
+    if zero2 and full is None:
         rolled_back = _roll_back(core, checkpoints, rec, world)
     else:
-        for name, value in state.items():
-            core.state[name][...] = value
-            world.Bcast(core.state[name], root=rec.source)
+        put_state(core, full, state, world, rec.source)
     if rolled_back is None:
         core.step_count = step
         core.skipped_steps, core.data_position = skipped, position
@@ -162,7 +157,3 @@ def _roll_back(core: ZeRO2Core, checkpoints: CheckpointManager, rec: ulfm.Recove
                       f"{world.size} ranks", InexactRecoveryWarning, stacklevel=3)
     return info.path
 
-
-def error_text(exc: BaseException | None) -> str | None:
-    """The MPI error string of a failure, for the event."""
-    return exc.Get_error_string() if hasattr(exc, "Get_error_string") else None
