@@ -105,6 +105,7 @@ class ParameterGather:
         self._pending: list[Handle | None] = [None] * n
         self._users = [0] * n                  # layers reading it now
         self._inflight: list[int] = []         # buckets with a gather pending, oldest first
+        self._stale = False                    # invalidated: start afresh at the next hook
 
     # --- storage ------------------------------------------------------------
     def allocate(self, xp: Any, dtype: Any) -> None:
@@ -152,6 +153,8 @@ class ParameterGather:
         """Hook: a layer is about to read the parameters of world range ``r``.
         Its bucket is made ready (gathered, or waited for); with prefetch the next
         bucket in the pass's direction starts gathering."""
+        if self._stale:
+            self._refresh()
         j = self.index_of(r.start)
         self._users[j] += 1
         self._ready(j)
@@ -171,16 +174,19 @@ class ParameterGather:
         self._poke()
 
     def invalidate(self) -> None:
-        """The shard changed (an update, a load): every gathered bucket is stale.
-        Waits for the gathers still arriving; a pass left half done (an
-        exception inside a layer) is over. Local."""
-        while self._inflight:
-            self._wait(self._inflight[0])
-        for j in range(len(self.ranges)):        # in place: every step does this
-            self._users[j] = 0
-        for slot in range(self.slots):
-            self._resident[slot] = -1
-        self._live = 0
+        """The shard changed (an update, a load): every gathered bucket is stale,
+        and the next hook call starts afresh (waiting then for gathers still
+        arriving; a pass left half done by an exception is over). Local; waits
+        for nothing."""
+        self._stale = True
+
+    def drop(self) -> None:
+        """Forget the gathers still arriving without waiting for them (the group
+        is broken: a lost rank) and :meth:`invalidate`. Local."""
+        for j in self._inflight:
+            self._pending[j] = None
+        self._inflight.clear()
+        self._stale = True
 
     def each_bucket(self) -> Iterable[tuple[int, Any]]:
         """``(j, parameters of bucket j)`` for every bucket, each gathered in turn
@@ -191,6 +197,16 @@ class ParameterGather:
             self.after(b, INFERENCE)
 
     # --- internals ---------------------------------------------------------------
+    def _refresh(self) -> None:
+        while self._inflight:
+            self._wait(self._inflight[0])
+        for j in range(len(self.ranges)):        # in place: after every step
+            self._users[j] = 0
+        for slot in range(self.slots):
+            self._resident[slot] = -1
+        self._live = 0
+        self._stale = False
+
     def _ready(self, j: int) -> None:
         if self._resident[j % self.slots] != j:
             self._start(j, blocking=True, optional=False)

@@ -178,7 +178,10 @@ class ZeRO3Core(ZeRO2Core):
                 self.dp.Allgatherv(full, self.shard_counts, slot="unshard")
         else:
             full[...] = params
-        self.gather.invalidate()
+        if params is None:
+            self.gather.invalidate()
+        else:       # given the values (a recovery): the group may be broken
+            self.gather.drop()
         model.set_parameter_hooks(None)
         model.bind_parameters(lambda name: self.layout.view(full, name), full)
         self._params_shard = full[self.shard.start:self.shard.stop]
