@@ -380,3 +380,163 @@ def test_hybrid_matches_one_process(layout, kind, schedule):
             checked += local.size
         assert checked == params.size
     opt.verify_in_sync()
+
+
+# --- a rank with no rows, a deeper model: the hook calls replayed in the model's order ----
+DEEP = [5, 8, 8, 8, 8, 8, 3]
+
+
+@pytest.mark.parametrize("gathers", GATHERS)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_rank_without_rows_joins_the_gathers_in_order(comm, gathers, overlap):
+    """A rank with no rows makes no pass but joins every gather and gradient
+    reduction in the order the others' backward makes them (gathers and bucket
+    reductions interleaved: all gathers first, then all reductions, deadlocked at
+    five layers). Under a timeout, so that a deadlock fails instead of hanging."""
+    if comm.size < 2:
+        pytest.skip("a rank without rows needs 2 ranks or more")
+    make = functools.partial(MLP, DEEP, activation="tanh", dtype=np.float64, seed=3)
+    make_opt = OPTIMIZERS["sgd"]
+    # Rank 1 has no rows on even steps.
+    counts = [[24 // comm.size] * comm.size for _ in range(4)]
+    for step in (0, 2):
+        counts[step][1], counts[step][0] = 0, counts[step][0] + counts[step][1]
+    ref, ref_losses, _ = serial_reference(make, make_opt, steps=4)
+    model = make()
+    dist = ZeRO3Optimizer(make_opt(), ShardingConfiguration(comm, timeout=60), bucket_mb=1e-4,
+                          max_grad_norm=MAX_NORM, overlap=overlap, model=model,
+                          **GATHERS[gathers])
+    assert dist.core.bucketed is overlap and len(dist.core.gather.ranges) == len(DEEP) - 1
+    losses = []
+    for step in range(4):
+        x, y = global_batch(step)
+        lo = sum(counts[step][:comm.rank])
+        losses.append(dist.train_step(x[lo:lo + counts[step][comm.rank]],
+                                      y[lo:lo + counts[step][comm.rank]]))
+    assert_close(whole(dist), ref, "parameters")
+    assert_close(np.array(losses), ref_losses, "losses")
+
+
+# --- ParameterGather itself ------------------------------------------------------------------
+@pytest.mark.parametrize("prefetch, keep", [(False, False), (True, False), (False, True)])
+def test_parameter_gather_counts_and_values(prefetch, keep):
+    """Each bucket holds the whole vector's values when read; the gathers one
+    forward and backward start: without keep the backward gathers again all but
+    the buckets still in their slots, with keep nothing; the next forward of the
+    same step reuses what is there; after invalidate() it gathers afresh."""
+    from mpishard.comm import from_comm
+    from mpishard.comm.gather import ParameterGather
+    from mpishard.flat import bucket_ranges, shard_ranges, unit_ranges
+    from mpishard.protocols import BACKWARD, FORWARD
+
+    layout = MLP(DEEP, dtype=np.float64).layout
+    full = np.arange(layout.size, dtype=np.float64) * 0.5
+    shards = shard_ranges(layout.size, WORLD.size)
+    mine = shards[WORLD.rank]
+    group = from_comm(WORLD, "data-parallel").dup("gathers")
+    ranges = list(reversed(bucket_ranges(layout, 60)))
+    gather = ParameterGather(ranges, shards, WORLD.rank, full[mine.start:mine.stop].copy(),
+                             group, prefetch=prefetch, keep=keep)
+    gather.allocate(np, np.float64)
+    units, n = unit_ranges(layout), len(ranges)
+    assert n >= 3
+
+    def one_pass(phase):
+        seen = []
+        for u in (reversed(units) if phase == BACKWARD else units):
+            gather.before(u, phase)
+            j = gather.index_of(u.start)
+            b = ranges[j]
+            np.testing.assert_array_equal(gather.bucket(j), full[b.start:b.stop])
+            seen.append(j)
+            gather.after(u, phase)
+        return seen
+
+    slots = n if keep else (2 if prefetch else 1)
+    one_pass(FORWARD)
+    assert gather.gathers == n
+    one_pass(BACKWARD)
+    assert gather.gathers == n + (0 if keep else n - slots)
+    before = gather.gathers
+    one_pass(FORWARD)                            # the same step's next micro-batch
+    assert gather.gathers - before == (0 if keep else n - slots)
+    gather.invalidate()
+    before = gather.gathers
+    one_pass(FORWARD)
+    assert gather.gathers - before == n
+    largest = max(len(b) for b in ranges)
+    assert largest <= gather.peak <= sum(len(b) for b in ranges)
+    if not keep:
+        assert gather.peak <= slots * largest
+    group.free()
+
+
+# --- no allocation in the step loop -----------------------------------------------------------
+def test_numpy_memory_does_not_grow_in_the_step_loop():
+    """NumPy's traced memory (its tracemalloc domain) is the same after step 3 and
+    step 30: nothing is allocated and kept by a ZeRO-3 step."""
+    import tracemalloc
+
+    model = make_gpt()
+    dist = ZeRO3Optimizer(AdamW(lr=1e-3), ShardingConfiguration(WORLD), bucket_mb=1e-3,
+                          gather_mb=2e-3, model=model)
+    domain = tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)
+    used = {}
+    tracemalloc.start()
+    try:
+        for step in range(30):
+            x, y = token_batch(step)
+            lo, hi = my_rows(WORLD.size, WORLD.rank, 0)     # the same rows every step
+            dist.train_step(x[lo:hi], y[lo:hi])
+            if step + 1 in (3, 30):
+                snap = tracemalloc.take_snapshot().filter_traces([domain])
+                used[step + 1] = sum(s.size for s in snap.statistics("filename"))
+    finally:
+        tracemalloc.stop()
+    assert used[3] == used[30], used
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gathers", GATHERS)
+def test_on_the_device_matches_one_process(gathers):
+    """The same path on CuPy arrays (the model, the shards, the gathers)."""
+    from conftest import _cupy_or_skip
+
+    cp = _cupy_or_skip()
+    ref, ref_losses, _ = serial_reference(make_mlp, OPTIMIZERS["adamw"])
+    model = MLP(SIZES, activation="tanh", dtype=np.float64, seed=7, xp=cp)
+    dist = ZeRO3Optimizer(OPTIMIZERS["adamw"](), ShardingConfiguration(WORLD), bucket_mb=1e-4,
+                          max_grad_norm=MAX_NORM, model=model, **GATHERS[gathers])
+    assert isinstance(dist.core.parameter_shard()[1], cp.ndarray)
+    losses = []
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        lo, hi = my_rows(WORLD.size, WORLD.rank, step)
+        losses.append(dist.train_step(cp.asarray(x[lo:hi]), cp.asarray(y[lo:hi])))
+    with dist.gathered_parameters() as params:
+        assert_close(cp.asnumpy(params), ref, "parameters")
+    assert_close(np.array(losses), ref_losses, "losses")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gathers", GATHERS)
+def test_device_memory_pool_holds_the_same_bytes_after_step_3_and_30(gathers):
+    from conftest import _cupy_or_skip
+
+    cp = _cupy_or_skip()
+    rng = np.random.default_rng(0)
+    model = GPT(40, 16, 32, 4, 2, dtype=np.float32, xp=cp)
+    x = rng.integers(0, 40, (960, 16))
+    y = rng.integers(0, 40, (960, 16))
+    pool = cp.get_default_memory_pool()
+    used = {}
+
+    def record(step, loss):
+        if step in (3, 30):
+            cp.cuda.get_current_stream().synchronize()
+            used[step] = pool.used_bytes()
+
+    dist = ZeRO3Optimizer(AdamW(lr=1e-3), ShardingConfiguration(WORLD), bucket_mb=0.01,
+                          **GATHERS[gathers])
+    dist.optimize(model, (x, y), epochs=1, batch_size=32, callback=record)
+    assert set(used) == {3, 30} and used[3] == used[30], used
