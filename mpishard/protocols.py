@@ -21,6 +21,7 @@ which strategy calls it (ZeRO-2 is "the same optimizer on my shard").
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 from .flat import ParamLayout, Range
@@ -267,6 +268,7 @@ class StrategyCore(Protocol):
     ``optimizer_state_shard()`` gives the world range of the optimizer state
     this rank holds and the state by name, ``parameter_shard()`` the world range
     of the parameters it holds and them (the whole vector, or a ZeRO-3 shard);
+    ``gathered_parameters()`` the whole vector for a ``with`` block;
     ``dtype`` is the parameters' (None before attach); ``rebuild(config)`` sets
     the core up again over new groups keeping its options.
     """
@@ -294,6 +296,8 @@ class StrategyCore(Protocol):
     def optimizer_state_shard(self) -> tuple[Range, dict[str, Any]]: ...
 
     def parameter_shard(self) -> tuple[Range, Any]: ...
+
+    def gathered_parameters(self) -> AbstractContextManager[Any]: ...
 
     def rebuild(self, config: Any) -> None: ...
 

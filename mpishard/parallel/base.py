@@ -575,6 +575,12 @@ class DataParallelCore:
         counts in the norm (all of it; a tensor-parallel rank owns less)."""
         return [Range(0, self.layout.size)]
 
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[Any]:
+        """The whole parameter vector, ``model.params``, for the ``with`` block (the
+        model holds it: local; ZeRO-3 gathers it)."""
+        yield self._require_model().params
+
     def parameter_shard(self) -> tuple[Range, Any]:
         """The world range of the parameters this rank holds, and them: the whole
         vector (a ZeRO-3 rank holds its shard). Local."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from ..config import ShardingConfiguration
@@ -44,14 +42,6 @@ class ZeRO3Optimizer(Strategy):
     def __init__(self, optimizer: Optimizer, config: ShardingConfiguration | None = None, *,
                  model: Model | None = None, **options: Any) -> None:
         super().__init__(ZeRO3Core(optimizer, config, model=model, **options))
-
-    @contextlib.contextmanager
-    def gathered_parameters(self) -> Iterator[Any]:
-        """The whole parameter vector for the ``with`` block (``model.params``;
-        ``forward`` on one rank alone). Gathered on entry, collective over
-        ``groups.dp``; each rank keeps its shard of it on exit."""
-        with self.core.gathered_parameters() as params:
-            yield params
 
     def unshard(self, params: Any = None) -> None:
         """Give the model its whole parameter vector back for good (``params``, or

@@ -540,3 +540,65 @@ def test_device_memory_pool_holds_the_same_bytes_after_step_3_and_30(gathers):
                           **GATHERS[gathers])
     dist.optimize(model, (x, y), epochs=1, batch_size=32, callback=record)
     assert set(used) == {3, 30} and used[3] == used[30], used
+
+
+# --- 3D: ZeRO-2's bits, and reproducible mode's ----------------------------------------------
+def hybrid_run(comm, tp, pp, data_parallel, kind="gpt", reproducible=False, steps=4):
+    """A hybrid run on ``comm``: each stage's tensors by name (gathered under ZeRO-3),
+    merged over the pipeline, and the losses."""
+    config = ShardingConfiguration(comm, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                   reproducible=reproducible, unit_rows=12 if reproducible
+                                   else None)
+    model = HybridShardedModel(hybrid_factory(kind), config, micro_batches=2,
+                               schedule="1f1b")
+    opt = HybridShardedOptimizer(AdamW(lr=1e-2, weight_decay=0.01), config,
+                                 data_parallel=data_parallel, model=model,
+                                 max_grad_norm=MAX_NORM, bucket_mb=1e-4,
+                                 **({} if data_parallel == "ddp" else
+                                    {"reduce_method": "reduce_scatter"}))
+    batch = token_batch if kind == "gpt" else global_batch
+    group = config.groups.dp
+    share = ROWS // group.size
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        lo = group.rank * share
+        if reproducible:
+            opt.backward(x[lo:lo + share], y[lo:lo + share], batch_start=lo, global_rows=ROWS)
+        else:
+            opt.backward(x[lo:lo + share], y[lo:lo + share])
+        losses.append(opt.step())
+    with opt.gathered_parameters() as params:
+        tensors = {name: np.array(model.layout.view(params, name))
+                   for name in model.layout.names}
+    merged = {}
+    for part in config.groups.pp.allgather(tensors):
+        merged.update(part)
+    config.free()
+    return merged, np.array(losses)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"tp{t[0]}-pp{t[1]}-dp{t[2]}")
+def test_hybrid_same_bits_as_hybrid_zero2(layout):
+    tp, pp, _ = layout
+    if (ROWS // (WORLD.size // (tp * pp))) % 2:
+        pytest.skip("each replica's rows must split into the 2 micro-batches")
+    zero2 = hybrid_run(WORLD, tp, pp, "zero2")
+    zero3 = hybrid_run(WORLD, tp, pp, "zero3")
+    assert sorted(zero3[0]) == sorted(zero2[0])
+    for name in zero2[0]:
+        np.testing.assert_array_equal(zero3[0][name], zero2[0][name], err_msg=name)
+    np.testing.assert_array_equal(zero3[1], zero2[1])
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_hybrid_reproducible_same_bits_as_one_process(pp):
+    """Reproducible mode: a pipelined ZeRO-3 run has the bits of DDP on one process."""
+    if WORLD.size % pp or (ROWS // 12) % (WORLD.size // pp):
+        pytest.skip(f"pp={pp} and 2 units of 12 rows do not split over {WORLD.size} ranks")
+    reference = hybrid_run(MPI.COMM_SELF, 1, 1, "ddp", reproducible=True)
+    mine = hybrid_run(WORLD, 1, pp, "zero3", reproducible=True)
+    assert sorted(mine[0]) == sorted(reference[0])
+    for name in reference[0]:
+        np.testing.assert_array_equal(mine[0][name], reference[0][name], err_msg=name)
+    np.testing.assert_array_equal(mine[1], reference[1])
