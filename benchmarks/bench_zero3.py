@@ -283,6 +283,13 @@ def cluster_driver(args) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_nodes import _sourced
 
+    # The namespaces are the machine's, not this job's: `start` with another shape
+    # stops a cluster that another job (a test run) may be using. Refuse instead.
+    status = subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, text=True)
+    if "] up" in status.stdout:
+        sys.stderr.write("bench_zero3.py --cluster: a namespace cluster is up already (another "
+                         "job's?); stop it (scripts/cluster-local.sh stop) once it is idle\n")
+        return 3
     base = dict(os.environ)
     base.update(_sourced(REPO / "scripts" / "mpienv.sh"))
     worker = [sys.executable, str(Path(__file__).resolve()), "--cluster-worker",
