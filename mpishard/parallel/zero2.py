@@ -271,7 +271,9 @@ class ZeRO2Core(DataParallelCore):
         buffers = _nbytes(self._scratch) if self._scratch is not None else 0
         if self.previous is not None:
             buffers += _nbytes(self.previous.values())
-        return {"parameters": int(model.params.nbytes), "gradients": int(grads),
+        # The whole vector, or (ZeRO-3, the model holding none) the shard.
+        params = model.params if model.params is not None else self._params_shard
+        return {"parameters": int(params.nbytes), "gradients": int(grads),
                 "optimizer_state": _nbytes(self.state.values()), "buffers": int(buffers)}
 
     def optimizer_state_shard(self) -> tuple[Range, dict[str, Any]]:

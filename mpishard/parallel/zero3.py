@@ -15,7 +15,6 @@ from ..comm.gather import ParameterGather
 from ..errors import CommunicationError
 from ..flat import Range, bucket_ranges, unit_ranges
 from ..protocols import BACKWARD, FORWARD, Model, ShardableModel
-from .base import _nbytes
 from .zero2 import ZeRO2Core, ZeRO2Options
 
 __all__ = ["ZeRO3Core", "ZeRO3Options"]
@@ -328,15 +327,8 @@ class ZeRO3Core(ZeRO2Core):
         return report
 
     def _memory(self) -> dict[str, int]:
+        report = super()._memory()       # "parameters": the shard, held without a vector
         if not self._sharded:
-            return super()._memory()
-        model = self.model
-        grads = self.shard_grad.nbytes + _nbytes(self.slots)
-        if model.grads is not None:
-            grads += model.grads.nbytes
-        buffers = _nbytes(self._scratch) if self._scratch is not None else 0
-        if self.previous is not None:
-            buffers += _nbytes(self.previous.values())
-        return {"parameters": int(self._params_shard.nbytes), "gathered": self.gather.nbytes,
-                "gradients": int(grads), "optimizer_state": _nbytes(self.state.values()),
-                "buffers": int(buffers)}
+            return report
+        return {"parameters": report.pop("parameters"), "gathered": self.gather.nbytes,
+                **report}
