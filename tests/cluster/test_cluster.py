@@ -5,7 +5,7 @@ bridge, each with its own host name, reached by Open MPI through an rsh agent.
 The module's fixture starts it and stops it at the end, also after a failure;
 where namespaces cannot be made (not root, no ``ip``, no bridge) every test is
 skipped with the reason. Each test is one ``mpirun -n 4`` job over both nodes
-running a case of ``tests/cluster_cases.py``, which computes its serial
+running a case of ``tests/support/cluster_cases.py``, which computes its serial
 reference in the same process (float64, rtol 1e-10; the hierarchical
 reductions against the flat ones, rtol 1e-12). Then a Slurm runs on the nodes
 (``scripts/slurm-local.sh start --cluster``: slurmctld on node 0, a slurmd in
@@ -13,7 +13,7 @@ each node) and ``sbatch -N 2 slurm/ddp.sbatch`` trains across both, against the
 same training in one process, and ``hybrid.sbatch`` (tp 2 inside each node, pp 2
 across) too. The last test loses a whole node under the
 elastic agent (``mpishard run``) and compares with the reference runs of
-``tests/test_elastic.py``.
+the elastic worker (``tests/support/elastic.py``).
 """
 
 from __future__ import annotations
@@ -30,49 +30,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, mpi_env, mpirun
-from test_elastic import run_reference  # its worker's reference runs
-from test_slurm import checkpoint, log, submit, wait
-from test_stall_stuck import HOW
-from test_stall_stuck import JOB as STUCK
-
-from mpishard import TopologyError
-from mpishard.comm.nodes import NodeMap, crossing_groups, node_placement
+from elastic import WORKER, run_reference
+from mpijobs import REPO, SUPPORT, mpi_env, mpirun
+from nscluster import HOSTS, STATE, cluster_local
+from slurmjobs import checkpoint, log, submit, wait
+from stuckjob import HOW
+from stuckjob import JOB as STUCK
 
 pytestmark = pytest.mark.launch
 
-SCRIPT = REPO / "scripts" / "cluster-local.sh"
 SLURM = REPO / "scripts" / "slurm-local.sh"
-CASES = Path(__file__).with_name("cluster_cases.py")
-STATE = Path(os.environ.get("MPISHARD_CLUSTER_DIR", "/run/mpishard-cluster"))
-HOSTS = ["mpishard-node0", "mpishard-node1"]
-
-
-def _sh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def cluster() -> dict[str, str]:
-    """A 2-node cluster (uncapped links) for the module; its environment file's variables."""
-    check = _sh("check")
-    if check.returncode != 0:
-        pytest.skip(f"no namespace cluster here: {check.stdout.strip() or check.stderr.strip()}")
-    try:
-        start = _sh("start", "--nodes", "2", "--slots", "2")
-        if start.returncode != 0:
-            pytest.fail(f"cluster-local.sh start failed:\n{start.stdout}{start.stderr}")
-        text = (STATE / "env").read_text()
-        env = dict(re.findall(r'^export (\w+)="?(.*?)"?$', text, re.M))
-        yield env
-    finally:
-        _sh("stop")
+CASES = SUPPORT / "cluster_cases.py"
 
 
 def run_case(cluster: dict[str, str], case: str, *args: str, n: int = 4,
              flags: tuple[str, ...] = (), timeout: float = 180):
-    """``mpirun -n N python tests/cluster_cases.py CASE ARGS`` on node 0 of the cluster."""
+    """``mpirun -n N python tests/support/cluster_cases.py CASE ARGS`` on node 0 of the
+    cluster."""
     command = [*shlex.split(cluster["MPISHARD_CLUSTER_EXEC"]), "mpirun",
                *shlex.split(cluster["MPISHARD_CLUSTER_MPIRUN_FLAGS"]), *flags, "-n", str(n),
                sys.executable, str(CASES), case, *args]
@@ -93,25 +67,6 @@ def run_case(cluster: dict[str, str], case: str, *args: str, n: int = 4,
 
 def hosts_by_rank(oks) -> list[str]:
     return [host for host, _ in sorted(((h, int(r)) for h, r, _ in oks), key=lambda t: t[1])]
-
-
-# --------------------------------------------------------------- the node map, pure
-
-def test_node_placement_renumbers_round_robin_ranks_node_by_node():
-    nodes = NodeMap(node_of=(0, 1, 0, 1, 0, 1), hosts=("a", "b"))
-    assert node_placement(nodes, 1) is None
-    assert node_placement(nodes, 3) == [0, 3, 1, 4, 2, 5]   # new rank of each old rank
-    assert node_placement(NodeMap((0, 0, 1, 1), ("a", "b")), 2) is None
-    assert nodes.describe() == "2 nodes: a ranks 0, 2, 4; b ranks 1, 3, 5"
-    assert NodeMap((0, 0, 0, 1), ("a", "b")).describe() == "2 nodes: a ranks 0-2; b ranks 3"
-
-
-def test_a_tensor_group_that_must_cross_nodes_is_refused_naming_the_node_sizes():
-    nodes = NodeMap(node_of=(0, 0, 0, 1, 1, 1), hosts=("a", "b"))
-    with pytest.raises(TopologyError, match=r"tensor_parallel_size 2 does not divide the "
-                                            r"ranks of every node \(ranks per node \[3, 3\]"):
-        node_placement(nodes, 2)
-    assert crossing_groups(nodes, 2) == [[2, 3]]
 
 
 # --------------------------------------------------------------- on the cluster
@@ -201,13 +156,6 @@ def test_hierarchical_reductions_equal_flat_ones(cluster, mapping):
     details = {detail for _, _, detail in oks}
     assert len(details) == 1, details   # every rank chose the same
     assert re.fullmatch(r"levels 2 nodes x 2 ranks, chose (flat|hierarchical)", details.pop())
-
-
-def test_hierarchical_reductions_on_one_node_are_the_flat_ones():
-    """No cluster needed: 4 ranks on this machine, one level (the group's own calls)."""
-    job = mpirun(4, [str(CASES), "hierarchical"], timeout=120)
-    assert job.returncode == 0, job.output
-    assert job.output.count("levels 1 nodes x 4 ranks, chose flat;;") == 4, job.output
 
 
 # --------------------------------------------------------------- Slurm on the nodes
@@ -307,7 +255,7 @@ def test_elastic_training_goes_on_when_a_whole_node_is_lost(cluster, tmp_path):
     command = [*shlex.split(cluster["MPISHARD_CLUSTER_EXEC"]), sys.executable, "-m",
                "mpishard", "run", "--min-workers=2", "--max-workers=4", f"--hostfile={hosts}",
                "--launcher=mpirun", f"--launcher-args={flags}", f"--checkpoint-dir={ckpt}",
-               f"--log={log}", "--", sys.executable, str(REPO / "tests" / "elastic_worker.py"),
+               f"--log={log}", "--", *WORKER,
                "--ckpt", str(ckpt), "--events", str(events), "--out", str(tmp_path / "out.npy"),
                "--step-seconds", "0.2", *worker_args]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -318,7 +266,7 @@ def test_elastic_training_goes_on_when_a_whole_node_is_lost(cluster, tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, \
                 f"no checkpoint of step 4:\n{proc.communicate()[0]}"
             time.sleep(0.1)
-        down = _sh("down", "1")
+        down = cluster_local("down", "1")
         assert down.returncode == 0, down.stderr
         hosts.write_text(f"{HOSTS[0]} slots=2\n")   # what the resource manager says now
         out, _ = proc.communicate(timeout=120)
@@ -326,7 +274,7 @@ def test_elastic_training_goes_on_when_a_whole_node_is_lost(cluster, tmp_path):
         os.killpg(proc.pid, 9)
         raise
     finally:
-        _sh("up", "1")
+        cluster_local("up", "1")
     assert proc.returncode == 0, out
     launches = [(e["workers"], e["reason"]) for e in map(json.loads, log.read_text().splitlines())
                 if e["event"] == "launch"]

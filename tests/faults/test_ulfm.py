@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import mpi_env
+from mpijobs import mpi_env
 
 pytestmark = pytest.mark.launch
 
@@ -146,7 +146,7 @@ def _ft_or_skip() -> None:
     if not MPIRUN.exists():
         pytest.skip(f"no mpirun beside {sys.executable}: run in the fault-tolerant runtime "
                     f"(bash scripts/setup.sh --ft; .venv-ft/bin/python -m pytest "
-                    f"tests/test_ulfm.py)")
+                    f"tests/faults)")
     probe = subprocess.run([sys.executable, "-c", "from mpi4py import MPI; "
                             "print(hasattr(MPI.Comm, 'Shrink'), MPI.Get_library_version())"],
                            capture_output=True, text=True, timeout=60)
@@ -213,13 +213,13 @@ def test_survivors_shrink_and_finish_as_a_reference_that_drops_the_rank(where):
 
 
 def test_sigstopped_rank_is_named_in_the_fault_tolerant_runtime():
-    # The stuck-rank diagnosis of tests/test_stall_stuck.py under Open MPI 5 with
+    # The stuck-rank diagnosis of tests/jobs/test_stall_stuck.py under Open MPI 5 with
     # ULFM: a stopped rank is alive, so no failure is reported; the timeout names it.
     _ft_or_skip()
     import socket
 
-    from test_stall_stuck import HOW, TIMEOUT
-    from test_stall_stuck import JOB as STUCK_JOB
+    from stuckjob import HOW, TIMEOUT
+    from stuckjob import JOB as STUCK_JOB
 
     job = ulfm_job(3, STUCK_JOB.format(timeout=TIMEOUT, stuck=2, how=HOW["sigstop"]),
                    timeout=90)

@@ -2,9 +2,9 @@
 
 Runs in the fault-tolerant runtime (``.venv-ft``: Open MPI 5 with ULFM), on the
 2-node cluster of ``scripts/cluster-local.sh`` (network namespaces with their own
-host names, TCP between them; the fixture of ``tests/test_cluster.py`` starts and
-stops it); skips, saying why, where either is missing. Each test runs the job
-of ``tests/test_ulfm_train.py`` at 4 ranks placed by node (ranks 0 and 2 on node
+host names, TCP between them; the ``cluster`` fixture of ``tests/support/nscluster.py``
+starts and stops it); skips, saying why, where either is missing. Each test runs the job
+of ``tests/faults/test_ulfm_train.py`` at 4 ranks placed by node (ranks 0 and 2 on node
 0, 1 and 3 on node 1) through ``prterun``'s ssh launcher: the victim, on node 1,
 SIGKILLs itself in the test's phase; the survivors on both nodes revoke, shrink,
 agree and go on, and end equal (rtol 1e-12) to the reference computed in the
@@ -19,8 +19,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import mpi_env
-from test_cluster import HOSTS, cluster  # noqa: F401  (the cluster fixture)
+from mpijobs import mpi_env
+from nscluster import HOSTS
 from test_ulfm import MPIRUN, _ft_or_skip
 from test_ulfm_train import job_code
 
@@ -37,7 +37,7 @@ def fault_tolerant_runtime() -> None:
 
 @pytest.mark.parametrize("strategy,phase,seed", [("ddp", "bucket", 2),
                                                  ("zero2", "allgather", 13)])
-def test_a_rank_lost_on_another_node_is_recovered_in_place(cluster, tmp_path,  # noqa: F811
+def test_a_rank_lost_on_another_node_is_recovered_in_place(cluster, tmp_path,
                                                            strategy, phase, seed):
     code, victims, kill = job_code(tmp_path, phase, strategy=strategy, seed=seed, ranks=4,
                                    victims=[3])

@@ -2,7 +2,7 @@
 the replicas that lost a rank are dropped, the whole ones go on in place.
 
 Runs only in the fault-tolerant runtime (``bash scripts/setup.sh --ft``;
-``.venv-ft/bin/python -m pytest tests/test_ulfm_hybrid.py``); elsewhere it skips,
+``.venv-ft/bin/python -m pytest tests/faults/test_ulfm_hybrid.py``); elsewhere it skips,
 saying why. Each test starts ``mpirun --with-ft ulfm -n 4``.
 
 Each job trains a float64 ``ParallelMLP`` (Adam, global batch 24 re-split over the
@@ -207,22 +207,6 @@ def test_tensor_replica_dropped_when_a_rank_dies_in_its_backward(tmp_path):
     # its tensor partner waits in the layer's Allreduce, the other replica in the
     # data-parallel reduction (a group without the dead rank: revoked).
     check_dropped(tmp_path, "backward", tp=2, seed=2)
-
-
-def test_whole_replicas_worked_example():
-    # No MPI: the module docstring's 8 ranks, tp=2, dp=2, pp=2 (replica 0 = {0, 1, 4, 5},
-    # replica 1 = {2, 3, 6, 7}), and dp=3 with a loss in each of two replicas.
-    from mpishard.parallel.replicas import whole_replicas
-    from mpishard.topology import Topology
-
-    t = Topology.build(8, tp=2, pp=2)
-    assert whole_replicas(t, [0, 1, 2, 3, 4, 5, 7]) == ([0], {1: [6]})
-    assert whole_replicas(t, [1, 2, 3, 4, 5, 6, 7]) == ([1], {0: [0]})
-    assert whole_replicas(t, range(8)) == ([0, 1], {})
-    assert whole_replicas(t, [0, 2, 4, 6]) == ([], {0: [1, 5], 1: [3, 7]})
-    t = Topology.build(12, tp=2, pp=2)                 # dp=3: replica d = {2d, 2d+1, 2d+6, 2d+7}
-    assert whole_replicas(t, [r for r in range(12) if r not in (1, 11)]) == \
-        ([1], {0: [1], 2: [11]})
 
 
 @pytest.mark.launch

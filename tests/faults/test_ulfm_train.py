@@ -1,7 +1,7 @@
 """Ranks SIGKILLed inside ``optimize()``: the one training loop recovers in place (ULFM).
 
 Runs only in the fault-tolerant runtime (``bash scripts/setup.sh --ft``;
-``.venv-ft/bin/python -m pytest tests/test_ulfm_train.py``); elsewhere it skips,
+``.venv-ft/bin/python -m pytest tests/faults/test_ulfm_train.py``); elsewhere it skips,
 saying why. Each test starts ``mpirun --with-ft ulfm -n 3`` (4 where two ranks die).
 
 Each job trains a float64 MLP (Adam, global batch 24 re-split over whoever is
@@ -406,16 +406,16 @@ def test_agent_in_ulfm_mode_leaves_the_survivors_running(tmp_path):
     import sys
     from pathlib import Path
 
-    from conftest import mpi_env
+    from elastic import WORKER
+    from mpijobs import mpi_env
 
-    worker = Path(__file__).with_name("elastic_worker.py")
     (tmp_path / "slots").write_text("3")
     log = tmp_path / "agent.log"
     env = mpi_env({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
     cmd = [sys.executable, "-m", "mpishard", "run", "--fault-tolerance", "ulfm",
            f"--slots-file={tmp_path / 'slots'}", "--launcher=mpirun",
            "--launcher-args=--oversubscribe", f"--log={log}", "--", sys.executable,
-           str(worker), "--ckpt", str(tmp_path / "ckpt"), "--events", str(tmp_path / "events"),
+           WORKER[1], "--ckpt", str(tmp_path / "ckpt"), "--events", str(tmp_path / "events"),
            "--kill-at", "6", "--kill-rank", "1"]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=120)

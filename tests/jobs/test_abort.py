@@ -8,7 +8,7 @@ world whose other ranks stand for a simulation, as in the README's example.
 from __future__ import annotations
 
 import pytest
-from conftest import mpirun
+from mpijobs import mpirun
 
 pytestmark = pytest.mark.launch
 

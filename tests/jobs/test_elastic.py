@@ -17,13 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mpi_env, mpirun_command
+from elastic import WORKER, run_reference
+from mpijobs import mpi_env
 
-from mpishard.exitcodes import EXIT_STOPPED
-from mpishard.launch.slots import EXIT_RESIZE, SlotSource, next_size, slots_from_hostfile
-
-REPO = Path(__file__).resolve().parents[1]
-WORKER = [sys.executable, str(REPO / "tests" / "elastic_worker.py")]
 MPISHARD = [sys.executable, "-m", "mpishard"]
 
 
@@ -63,21 +59,6 @@ def run_elastic(tmp: Path, worker_args: list[str], *, min_workers=2, max_workers
         pytest.fail(f"the elastic job did not finish in {timeout} s:\n{proc.communicate()[0]}")
     out = proc.communicate()[0]
     return subprocess.CompletedProcess(cmd, proc.returncode, out), read_events(log)
-
-
-def run_reference(tmp: Path, phases: list[tuple[int, int | None]], worker_args: list[str]):
-    """Plain mpirun runs at the given sizes, each stopping on purpose at its step."""
-    for workers, stop_at in phases:
-        cmd = mpirun_command(workers, *WORKER[1:]) + [
-            "--ckpt", str(tmp / "ref-ckpt"), "--events", str(tmp / "ref-events"),
-            "--out", str(tmp / "reference.npy")] + worker_args
-        if stop_at is not None:
-            cmd += ["--stop-at", str(stop_at)]
-        proc = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=120)
-        expected = EXIT_STOPPED if stop_at is not None else 0
-        assert proc.returncode == expected, proc.stdout
-    return np.load(tmp / "reference.npy")
 
 
 KILL_POINTS = sorted(random.Random(2026).sample(range(5, 20), 2))
@@ -141,25 +122,3 @@ def test_restarts_run_out(tmp_path):
                           text=True, timeout=60)
     assert proc.returncode == 1
     assert "the 0 restart(s) allowed are used up" in proc.stdout
-
-
-def test_slot_sources_and_sizing(tmp_path):
-    hostfile = tmp_path / "hosts"
-    hostfile.write_text("node1 slots=4\nnode2 slots=2  # comment\nnode3\n\n")
-    assert slots_from_hostfile(hostfile.read_text()) == 7
-    src = SlotSource(hostfile=str(hostfile))
-    assert src.available() == 7
-    before = src.stamp()
-    time.sleep(0.01)
-    hostfile.write_text("node1 slots=4\n")
-    assert src.stamp() != before and src.available() == 4
-    bad = tmp_path / "slots"
-    bad.write_text("four")
-    with pytest.raises(ValueError, match="expecting one non-negative integer"):
-        SlotSource(slots_file=str(bad)).available()
-    # One exit code for "checkpointed and stopped": the launch name is an alias of it.
-    assert EXIT_RESIZE == EXIT_STOPPED == 75
-    assert next_size("start", 0, 6, 2, 4) == 4
-    assert next_size("failure", 4, 6, 2, 4) == 3
-    assert next_size("failure", 3, 1, 2, 4) == 1     # below the minimum: the agent stops
-    assert next_size("slots", 3, 4, 2, 8) == 4

@@ -1,7 +1,7 @@
 """Whole jobs started with their own ``mpirun``: failures must end the job.
 
 These run without ``--with-mpi``: plain pytest starts each job with the ``mpirun``
-fixture of ``conftest.py``.
+fixture (``tests/support/mpijobs.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mpi_env, mpirun_command
+from elastic import WORKER, run_reference
+from mpijobs import mpi_env, mpirun_command
 
 from mpishard.exitcodes import EXIT_STOPPED
 
@@ -105,13 +106,10 @@ def test_mpirun_helper_sets_mpienv_and_kills_a_hung_job(mpirun, monkeypatch):
 
 
 # --------------------------------------------------------------------------- the agent
-# `mpishard run` over real mpirun jobs of tests/elastic_worker.py (a float64 MLP with
+# `mpishard run` over real mpirun jobs of tests/support/elastic_worker.py (a float64 MLP with
 # ElasticOptimizer, checkpointing every 4 steps), with real SIGKILL and SIGTERM; each
 # result is compared bit for bit with a reference that makes the same size changes at
 # the same steps on purpose (plain mpirun runs that stop there and resume).
-
-REPO = Path(__file__).resolve().parents[1]
-WORKER = [sys.executable, str(REPO / "tests" / "elastic_worker.py")]
 
 
 def _events(path: Path) -> list[dict]:
@@ -143,20 +141,6 @@ def _agent(tmp: Path, worker_args: list[str], *, slots: str = "4", min_workers: 
     return proc.returncode, proc.communicate()[0], _events(log)
 
 
-def _reference(tmp: Path, phases: list[tuple[int, int | None]], worker_args: list[str]):
-    """Plain mpirun runs at the given sizes, each stopping on purpose after its step."""
-    for workers, stop_at in phases:
-        cmd = mpirun_command(workers, *WORKER[1:]) + [
-            "--ckpt", str(tmp / "ref-ckpt"), "--events", str(tmp / "ref-events"),
-            "--out", str(tmp / "reference.npy"), *worker_args]
-        if stop_at is not None:
-            cmd += ["--stop-at", str(stop_at)]
-        proc = subprocess.run(cmd, env=mpi_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=120)
-        assert proc.returncode == (EXIT_STOPPED if stop_at is not None else 0), proc.stdout
-    return np.load(tmp / "reference.npy")
-
-
 def _launches(log: list[dict]) -> list[tuple[int, str]]:
     return [(e["workers"], e["reason"]) for e in log if e["event"] == "launch"]
 
@@ -178,7 +162,7 @@ def test_agent_two_workers_killed_at_once_relaunch_two_fewer(tmp_path):
     true = shrunk["first_step_time"] - death
     assert true - 0.02 <= shrunk["recovery_seconds"] <= true + 0.5, (shrunk, death)
     assert np.array_equal(np.load(tmp_path / "elastic.npy"),
-                          _reference(tmp_path, [(4, 4), (2, None)], args))
+                          run_reference(tmp_path, [(4, 4), (2, None)], args))
 
 
 def test_agent_keeps_a_slot_change_made_while_the_dead_job_ends(tmp_path):
@@ -202,7 +186,7 @@ def test_agent_keeps_a_slot_change_made_while_the_dead_job_ends(tmp_path):
     failure = next(e for e in log if e["event"] == "failure")
     assert failure["lost"] == 1 and failure["slots_rewritten"], failure
     assert np.array_equal(np.load(tmp_path / "elastic.npy"),
-                          _reference(tmp_path, [(4, 4), (4, None)], args))
+                          run_reference(tmp_path, [(4, 4), (4, None)], args))
 
 
 def test_agent_sigterm_reaches_the_workers_and_exits_75(tmp_path):
@@ -240,7 +224,7 @@ def test_agent_sigterm_reaches_the_workers_and_exits_75(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
     assert resume.returncode == 0, resume.stdout
     assert np.array_equal(np.load(tmp_path / "elastic.npy"),
-                          _reference(tmp_path, [(2, None)], args))
+                          run_reference(tmp_path, [(2, None)], args))
 
 
 def test_elastic_optimizer_takes_the_agents_worker_range(mpirun):
@@ -265,18 +249,3 @@ def test_elastic_optimizer_takes_the_agents_worker_range(mpirun):
     """, env={"MPISHARD_ELASTIC_MIN_WORKERS": "3"}, quiet=True)
     assert code != 0
     assert "2 workers, outside the allowed range [3, 1024]" in out, out
-
-
-def test_failure_sizing_counts_the_lost_workers(tmp_path):
-    from mpishard.launch.slots import SlotSource, next_size
-
-    assert next_size("failure", 4, 4, 1, 4, lost=2) == 2
-    assert next_size("failure", 4, 1, 1, 4, lost=2) == 1         # the source has fewer
-    with pytest.raises(ValueError, match="expecting at least 1 lost worker, got 0"):
-        next_size("failure", 4, 4, 1, 4, lost=0)
-    slots = tmp_path / "slots"
-    slots.write_text("4")
-    source = SlotSource(slots_file=str(slots))
-    written = slots.stat().st_mtime
-    assert source.modified_since(written) and not source.modified_since(written + 1)
-    assert not SlotSource(fixed=3).modified_since(0.0)

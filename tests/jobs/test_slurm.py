@@ -16,35 +16,26 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import h5py
 import numpy as np
 import pytest
+from mpijobs import REPO
+from slurmjobs import FINAL, checkpoint, job_info, log, slurm_run, submit, wait
 
 pytestmark = pytest.mark.launch
 
-REPO = Path(__file__).resolve().parents[1]
 # The GPT job of the DDP and the requeue tests: 64 steps of 32 windows.
 GPT_ARGS = ["--example", "gpt", "--samples", "1024", "--epochs", "2", "--log-every", "2"]
 GPT_STEPS = 64
-FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-         "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
-
-
-def _run(*cmd: str, timeout: float = 60, via: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """``cmd``, prefixed by ``via`` (the Slurm of tests/test_cluster.py answers only
-    inside its nodes: ``cluster-local.sh exec``)."""
-    return subprocess.run([*via, *cmd], capture_output=True, text=True, timeout=timeout)
 
 
 def _slurm_answers() -> bool:
     if not shutil.which("sinfo"):
         return False
     try:
-        proc = _run("sinfo", "-h", "-N", "-o", "%t", timeout=20)
+        proc = slurm_run("sinfo", "-h", "-N", "-o", "%t", timeout=20)
     except subprocess.TimeoutExpired:
         return False
     return proc.returncode == 0 and bool(re.search(r"^(idle|mix|alloc)", proc.stdout, re.M))
@@ -61,61 +52,15 @@ def slurm() -> None:
                     "(no apt-get) to install slurm-wlm and munge from")
     if os.geteuid() != 0 and not shutil.which("sudo"):
         pytest.skip("Slurm is not running and starting it needs root (or sudo)")
-    proc = _run("bash", str(REPO / "scripts" / "slurm-local.sh"), "start", timeout=900)
+    proc = slurm_run("bash", str(REPO / "scripts" / "slurm-local.sh"), "start", timeout=900)
     if proc.returncode != 0 or not _slurm_answers():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         pytest.skip(f"Slurm could not be installed or started here: {' | '.join(tail)}")
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "SLURM_"))}
-    env["MPISHARD_VENV"] = sys.prefix   # this interpreter's virtual environment
-    env.update(extra)
-    return env
-
-
-def submit(script: str, tmp: Path, *args: str, sbatch: tuple[str, ...] = (),
-           via: tuple[str, ...] = (), **env: str) -> str:
-    """``sbatch SBATCH slurm/SCRIPT ARGS`` from the repository root (``via`` the
-    command prefix that reaches Slurm, ``env`` added to the environment); the job id."""
-    proc = subprocess.run(
-        [*via, "sbatch", "--parsable", f"--output={tmp}/%x-%j.out", *sbatch,
-         f"slurm/{script}", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=60, env=_env(**env))
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip().split(";")[0]
-
-
-def job_info(job: str, via: tuple[str, ...] = ()) -> dict[str, str]:
-    proc = _run("scontrol", "show", "job", "-o", job, via=via)
-    return dict(re.findall(r"(\w+)=(\S*)", proc.stdout)) if proc.returncode == 0 else {}
-
-
-def wait(job: str, timeout: float = 300, until: set[str] = FINAL,
-         via: tuple[str, ...] = ()) -> dict[str, str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = job_info(job, via)
-        if info.get("JobState") in until:
-            return info
-        time.sleep(0.5)
-    _run("scancel", job, via=via)
-    pytest.fail(f"job {job} did not reach {sorted(until)} in {timeout} s: {job_info(job, via)}")
-
-
-def log(tmp: Path, name: str, job: str) -> str:
-    return (tmp / f"{name}-{job}.out").read_text()
-
-
 def events(path: Path, kind: str) -> list[dict]:
     with open(path) as f:
         return [r for r in map(json.loads, f) if r["event"] == kind]
-
-
-def checkpoint(path: Path) -> tuple[dict[str, np.ndarray], dict]:
-    with h5py.File(path, "r") as f:
-        return {k: f["params"][k][()] for k in f["params"]}, dict(f.attrs)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +125,7 @@ def test_requeued_job_resumes_and_ends_like_an_uninterrupted_one(ddp_job, tmp_pa
         time.sleep(0.2)
     else:
         pytest.fail(f"no training step in 240 s: {job_info(job)}")
-    assert _run("scancel", "--signal=USR1", job).returncode == 0   # to every task
+    assert slurm_run("scancel", "--signal=USR1", job).returncode == 0   # to every task
     info = wait(job, until={"PENDING"} | FINAL)
     assert info["JobState"] == "PENDING" and info["Restarts"] == "1", info
     # Slurm holds a requeued job until its old credential expires (Reason=BeginTime):

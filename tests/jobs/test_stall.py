@@ -9,7 +9,7 @@ started to wait (printed by the job), with a non-zero exit code and a message th
 names the call and the group: exactly one with 2 ranks; with 4, one from each rank
 that waits, or fewer (the first abort may end the others before they print), all
 naming the same call and group. (The training loop's stalls are in
-``tests/test_stall_train.py``.)
+``tests/jobs/test_stall_train.py``.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import re
 import time
 
 import pytest
-from conftest import mpirun
+from mpijobs import mpirun
 
 pytestmark = pytest.mark.launch
 

@@ -18,47 +18,12 @@ import socket
 import time
 
 import pytest
-from conftest import mpirun
+from mpijobs import mpirun
+from stuckjob import HOW, JOB, TIMEOUT
 
 pytestmark = pytest.mark.launch
 
-TIMEOUT = 2.0
 GRACE = 12.0        # start-up, the diagnosis (at most 1 s for a stack), MPI_Abort
-
-JOB = """
-import os, signal, time
-import numpy as np
-from mpi4py import MPI
-from mpishard import ShardingConfiguration
-from mpishard.nn import MLP
-from mpishard.optim import Adam
-from mpishard.parallel import DDPOptimizer
-
-config = ShardingConfiguration(timeout={timeout})
-rank = MPI.COMM_WORLD.rank
-model = MLP([5, 7, 3], seed=1, dtype=np.float64)
-ddp = DDPOptimizer(Adam(lr=1e-3), config, model=model)
-rng = np.random.default_rng(0)
-x, y = rng.standard_normal((8, 5)), rng.integers(0, 3, 8)
-ddp.train_step(x, y)                       # a step that works, first
-config.world.barrier()
-print(f"PID {{rank}} {{os.getpid()}}", flush=True)
-
-def spin():
-    while True:                            # the user's endless loop
-        pass
-
-if rank == {stuck}:
-    print(f"STUCK {{time.time():.3f}}", flush=True)
-    {how}
-ddp.train_step(x, y)
-print("unreachable", flush=True)
-"""
-
-HOW = {"sigstop": "os.kill(os.getpid(), signal.SIGSTOP)", "loop": "spin()",
-       # A deadlock: this rank waits in a barrier over the world group while the
-       # other waits in the step's Allreduce over the data-parallel group.
-       "deadlock": "config.world.barrier()"}
 
 
 def _run(n: int, stuck: int, how: str):

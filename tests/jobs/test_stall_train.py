@@ -16,7 +16,7 @@ import re
 import time
 
 import pytest
-from conftest import mpirun
+from mpijobs import mpirun
 
 pytestmark = pytest.mark.launch
 

@@ -1,7 +1,7 @@
 """``mpishard train`` and ``mpishard plot`` as a user runs them: whole jobs under ``mpirun``.
 
-The tests marked ``launch`` start their own ``mpirun`` (run them without
-``--with-mpi``); the others check the settings layer in this process. Every
+Each test starts its own ``mpirun`` (plain pytest, without ``--with-mpi``); the
+settings layer is checked in one process by ``tests/unit/test_train_settings.py``. Every
 job is small (seconds); the numbers checked are losses that fall by a factor,
 step counts, checkpoints read back, and equal results of two ways of training.
 """
@@ -9,7 +9,6 @@ step counts, checkpoints read back, and equal results of two ways of training.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,9 +17,9 @@ import time
 import h5py
 import numpy as np
 import pytest
-from conftest import mpi_env, mpirun_command
+from mpijobs import mpi_env, mpirun_command
 
-from mpishard.commands.config import UsageError, plan_runs
+from mpishard.commands.config import plan_runs
 
 LAUNCH = pytest.mark.launch
 ERROR = "mpishard train: error: "
@@ -44,46 +43,6 @@ def events(path, kind: str) -> list[dict]:
 def params(path) -> dict[str, np.ndarray]:
     with h5py.File(path, "r") as f:
         return {k: f["params"][k][()] for k in f["params"]}, int(f.attrs["step"])
-
-
-# --- the settings, without MPI ---------------------------------------------------------
-
-def test_defaults_run_both_examples_and_flags_override_the_file(tmp_path):
-    runs = plan_runs({}, 4)
-    assert [r.run for r in runs] == ["gpt", "burgers"]
-    assert (runs[0].batch_size, runs[0].epochs, runs[1].batch_size, runs[1].epochs) == (
-        32, 3, 256, 30)
-    toml = tmp_path / "run.toml"
-    toml.write_text('example = "burgers"\nepochs = 7\nbatch_size = 64\n'
-                    '[optimizer]\nlr = 0.01\nweight-decay = 0.0\n')
-    run, = plan_runs({"config": str(toml), "epochs": 2}, 4)
-    assert (run.example, run.epochs, run.batch_size, run.lr, run.weight_decay) == (
-        "burgers", 2, 64, 0.01, 0.0)
-    run, = plan_runs({"example": "burgers", "checkpoint_dir": "ck"}, 2)
-    assert run.checkpoint_dir == "ck"
-    assert [r.checkpoint_dir for r in plan_runs({"checkpoint_dir": "ck"}, 2)] == [
-        os.path.join("ck", "gpt"), os.path.join("ck", "burgers")]
-
-
-@pytest.mark.parametrize("given, world, message", [
-    ({"strategy": "zero3"}, 4, "unknown strategy 'zero3': choose one of ddp, zero2, hybrid"),
-    ({"strategy": "hybrid", "tp": 3}, 4, "impossible layout: tp 3 x pp 1 does not fit 4 rank(s)"),
-    ({"tp": 2}, 4, "--tp 2 --pp 1 need --strategy hybrid"),
-    ({"example": "gpt", "batch_size": 30}, 4, "does not split across 4 data-parallel rank(s)"),
-    ({"strategy": "hybrid", "pp": 4, "example": "gpt", "layers": 1}, 4, "the GPT has 3 layers"),
-])
-def test_bad_settings(given, world, message):
-    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        plan_runs(given, world)
-
-
-def test_unknown_config_key_lists_the_valid_ones(tmp_path):
-    toml = tmp_path / "run.toml"
-    toml.write_text("[model]\nwidth = 64\n")
-    with pytest.raises(UsageError) as info:
-        plan_runs({"config": str(toml)}, 1)
-    text = str(info.value)
-    assert "unknown key 'model.width'" in text and "d_model" in text and "batch_size" in text
 
 
 # --- whole jobs ------------------------------------------------------------------------------
@@ -264,3 +223,32 @@ def test_plot_draws_the_loss_curve(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "mpishard", "plot", str(tmp_path / "none.jsonl")],
                          capture_output=True, text=True, env=mpi_env(), timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "none.jsonl" in bad.stderr
+
+
+# --- mpishard train --reproducible (and its TOML key) ------------------------------------
+
+@LAUNCH
+def test_train_command_reproducible_flag_and_toml_key(tmp_path):
+    """``mpishard train --reproducible`` on 1 rank (DDP) and, from a TOML file, on 2
+    ranks (ZeRO-2) writes the same final parameters, bit for bit."""
+    common = ["train", "--example", "burgers", "--samples", "128", "--epochs", "1",
+              "--batch-size", "48", "--hidden", "16,16"]
+    toml = tmp_path / "run.toml"
+    toml.write_text('reproducible = true\nstrategy = "zero2"\n')
+    assert plan_runs({"config": str(toml), "example": "burgers"}, 2)[0].reproducible
+    assert not plan_runs({"example": "burgers"}, 2)[0].reproducible
+    runs = {1: [*common, "--reproducible", "--out", str(tmp_path / "one")],
+            2: [*common, "--config", str(toml), "--out", str(tmp_path / "two")]}
+    final = {}
+    for n, args in runs.items():
+        job = subprocess.run(mpirun_command(n, "-m", "mpishard", *args), capture_output=True,
+                             text=True, timeout=240, env=mpi_env())
+        assert job.returncode == 0, job.stdout + job.stderr
+        assert "reproducible" in job.stdout
+        folder = tmp_path / ("one" if n == 1 else "two") / "burgers" / "checkpoints"
+        (path,) = sorted(folder.glob("*.h5"))[-1:]
+        with h5py.File(path, "r") as f:
+            final[n] = {k: f["params"][k][()] for k in f["params"]}
+    assert sorted(final[1]) == sorted(final[2])
+    for name in final[1]:
+        assert final[1][name].tobytes() == final[2][name].tobytes(), name

@@ -6,7 +6,8 @@ whether every rank yields the whole batch (``local=False``) or its own rows of
 it (``local=True``, sizes differing by rank, zero included). A stop, a
 checkpoint and a resume (the live stream continued, or a replayed one skipped
 to the position) give the same bits as the run that never stopped; an iterator
-is never read ahead. Run under ``mpirun -n N`` for N = 1, 2, 4.
+is never read ahead. Run under ``mpirun -n N`` for N = 1, 2, 4 (the arguments, without
+MPI: ``tests/unit/test_batch_stream_arguments.py``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import os
 
 import numpy as np
 import pytest
-from conftest import STRATEGIES
 from mpi4py import MPI
+from reference import train_serial
+from strategies import STRATEGIES
+from worlds import batch_splits
 
 from mpishard import ShardingConfiguration
 from mpishard.checkpoint import load_checkpoint, save_checkpoint
@@ -70,14 +73,9 @@ def make_model():
 
 
 def reference(batches):
-    """One process, one optimizer step per global batch."""
-    model, opt = make_model(), Adam(lr=1e-2)
-    state = opt.init_state(model.params.size, model.params.dtype, np)
-    losses = []
-    for step, (x, y) in enumerate(batches, 1):
-        losses.append(model.forward_backward(x, y))
-        opt.update(model.params, model.grads, state, step, opt.lr, 1.0)
-    return model.params.copy(), np.array(losses)
+    """One process, one optimizer step per global batch (``reference``)."""
+    run = train_serial(make_model(), Adam(lr=1e-2), batches)
+    return run.params, run.losses
 
 
 def strategy(name="ddp"):
@@ -143,6 +141,7 @@ def test_stop_checkpoint_and_resume_continue_the_stream_exactly(mpi_tmp_path, re
 
 
 @pytest.mark.mpi
+@batch_splits(8)
 def test_a_stream_that_starts_after_the_position_or_mixes_with_a_dataset_is_refused():
     batches = snapshots()
     model, opt = make_model(), strategy()
@@ -209,7 +208,8 @@ def test_ranks_that_disagree_on_a_batch_fail_together():
 def test_model_parallel_replicas_read_the_stream_like_one_process(tp, pp):
     """tp=2 or pp=2: the tensor or pipeline peers of each data-parallel rank yield
     that rank's rows (local=True) of the sampler's batches; the same as one process."""
-    from test_hybrid import assert_matches_serial, make_opt, mlp_data, mlp_factory
+    from reference import assert_shards_match
+    from test_hybrid import make_opt, mlp_data, mlp_factory
     from test_hybrid import serial_reference as hybrid_reference
 
     from mpishard.strategies import HybridShardedModel, HybridShardedOptimizer
@@ -233,19 +233,7 @@ def test_model_parallel_replicas_read_the_stream_like_one_process(tp, pp):
     serial, ref_losses = hybrid_reference(mlp_factory, (x, y), 16, 2, make_opt)
     assert result.stopped == "exhausted"
     np.testing.assert_allclose(result.losses, ref_losses, rtol=1e-10)
-    assert_matches_serial(model, serial)
-
-
-def test_a_stream_checks_its_arguments_and_casts_only_what_it_must():
-    with pytest.raises(ValueError, match="first must be a non-negative integer"):
-        BatchStream([], first=-1)
-    stream = BatchStream([])
-    x = np.arange(6.0).reshape(3, 2)
-    assert stream._placed(x, np, np.float64, "x") is x          # no copy
-    as32 = stream._placed(x, np, np.float32, "x")
-    assert as32.dtype == np.float32 and np.array_equal(as32, x)
-    labels = np.array([1, 2, 3])
-    assert stream._placed(labels, np, np.float32, "y") is labels   # integers kept
+    assert_shards_match(model, serial)
 
 
 @pytest.mark.mpi

@@ -24,6 +24,7 @@ import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
+from worlds import batch_splits
 
 from mpishard import CheckpointError, ShardingConfiguration
 from mpishard.checkpoint import CheckpointManager, load_checkpoint, save_checkpoint
@@ -248,6 +249,7 @@ def test_damaged_data_fails_on_every_rank_and_changes_nothing(mpi_tmp_path):
     WORLD.Barrier()
 
 
+@batch_splits(12)
 def test_function_model_and_parameters_only(mpi_tmp_path):
     rng = np.random.default_rng(4)
     a = rng.standard_normal((48, 11))

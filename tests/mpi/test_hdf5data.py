@@ -12,9 +12,11 @@ import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
+from reference import sampler_batches, train_serial
+from worlds import batch_splits
 
 from mpishard import ShardingConfiguration
-from mpishard.data import ArrayDataset, ShardedSampler
+from mpishard.data import ArrayDataset
 from mpishard.hdf5data import HDF5Dataset, parse_data_spec
 from mpishard.nn import MLP
 from mpishard.optim import Adam
@@ -63,19 +65,12 @@ def train(strategy_cls, data):
 
 
 def serial_reference():
+    """One process, whole global batch, Adam called directly (``reference``)."""
     x, y = arrays()
-    m = model()
-    opt = Adam(lr=1e-2)
-    state = opt.init_state(m.params.size, m.params.dtype, np)
-    sampler = ShardedSampler(N_SAMPLES, BATCH, seed=0)
-    for step in range(1, EPOCHS * sampler.batches_per_epoch + 1):
-        idx = sampler.batch_indices(0, BATCH)
-        m.forward_backward(x[idx], y[idx])
-        opt.update(m.params, m.grads, state, step, opt.lr, 1.0)
-        sampler.advance()
-    return m
+    return train_serial(model(), Adam(lr=1e-2), sampler_batches(x, y, BATCH, EPOCHS)).model
 
 
+@batch_splits(BATCH)
 @pytest.mark.parametrize("strategy_cls", [DDPOptimizer, ZeRO2Optimizer], ids=["ddp", "zero2"])
 def test_file_trains_like_memory(h5file, strategy_cls):
     with HDF5Dataset(h5file, "/train/x", "/train/y", comm=COMM) as ds:
@@ -92,6 +87,7 @@ def test_file_trains_like_memory(h5file, strategy_cls):
                                atol=1e-13)
 
 
+@batch_splits(BATCH)
 def test_each_rank_reads_only_its_share(h5file):
     """Over an epoch the ranks read disjoint rows, 1/N of the file each."""
     seen: list[int] = []

@@ -14,14 +14,14 @@ import math
 import numpy as np
 import pytest
 from mpi4py import MPI
+from reference import assert_shards_match, sampler_batches, train_serial
 
 from mpishard import ShardingConfiguration, TopologyError
-from mpishard.data import ShardedSampler
 from mpishard.nn import GPT, ParallelMLP
 from mpishard.optim import AdamW
 from mpishard.strategies import HybridShardedModel, HybridShardedOptimizer
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.layout3d]   # also at 8 ranks: tp2-pp2-dp2
 
 WORLD = MPI.COMM_WORLD.size
 # (tp, pp, dp); those of the current world size run.
@@ -62,34 +62,12 @@ def mlp_data(n=48):
 
 
 def serial_reference(factory, data, batch, epochs, make_opt, max_grad_norm=None):
-    model = factory()()
-    opt = make_opt()
-    state = opt.init_state(model.params.size, model.params.dtype, np)
+    """One process: the serial model of ``factory``, the whole global batch, the
+    optimizer called directly (``reference``)."""
     x, y = data
-    sampler = ShardedSampler(len(x), batch, seed=0)
-    losses = []
-    for step in range(1, epochs * sampler.batches_per_epoch + 1):
-        idx = sampler.batch_indices(0, batch)
-        losses.append(model.forward_backward(x[idx], y[idx]))
-        coef = 1.0
-        if max_grad_norm is not None:
-            norm = math.sqrt(float(np.sum(model.grads ** 2)))
-            coef = min(1.0, max_grad_norm / (norm + 1e-6))
-        opt.update(model.params, model.grads, state, step, opt.lr, coef)
-        sampler.advance()
-    return model, np.array(losses)
-
-
-def assert_matches_serial(hybrid, serial, rtol=1e-10):
-    """Each local tensor equals its slice of the serial model's logical tensor."""
-    checked = 0
-    for name, shard in hybrid.tensor_shards().items():
-        local = hybrid.layout.view(hybrid.params, name)
-        full = serial.layout.view(serial.params, shard.logical_name)
-        np.testing.assert_allclose(local, full[shard.index], rtol=rtol, atol=rtol * 1e-2,
-                                   err_msg=name)
-        checked += local.size
-    assert checked == hybrid.params.size
+    run = train_serial(factory()(), make_opt(), sampler_batches(x, y, batch, epochs),
+                       max_grad_norm=max_grad_norm)
+    return run.model, run.losses
 
 
 def make_opt():
@@ -110,7 +88,7 @@ def test_gpt_matches_serial(layout, data_parallel, schedule):
                                  max_grad_norm=0.3)
     result = opt.optimize(model, data, epochs=2, batch_size=16)
     np.testing.assert_allclose(result.losses, ref_losses, rtol=1e-10)
-    assert_matches_serial(model, serial)
+    assert_shards_match(model, serial)
     assert opt.last_grad_norm > 0.3          # clipping was active: the norm is global
     opt.verify_in_sync()
     # Each rank holds only its part: its stage's layers, its tensor slice.
@@ -129,7 +107,7 @@ def test_mlp_matches_serial(layout):
                                  accumulation_steps=1)
     result = opt.optimize(model, data, epochs=3, batch_size=16)
     np.testing.assert_allclose(result.losses, ref_losses, rtol=1e-10)
-    assert_matches_serial(model, serial)
+    assert_shards_match(model, serial)
 
 
 @pytest.mark.mpi(min_size=2)   # model parallelism needs two ranks
@@ -215,5 +193,5 @@ def test_checkpoint_across_layouts_continues(writer, reader, tmp_path_factory):
     world.Barrier()
     model = _train_part(rranks, rtp, rpp, rkind, data, load_from=path)
     if model is not None:     # the reader's ranks: two epochs in total, like the serial run
-        assert_matches_serial(model, serial)
+        assert_shards_match(model, serial)
     world.Barrier()

@@ -4,17 +4,17 @@ Each rank holds its own rows (sizes differ, zero included); training must equal
 one process training on the concatenation of the ranks' rows in rank order
 (float64, rtol 1e-10), and only the rows a batch needs move. Run under
 ``mpirun -n N python -m pytest --with-mpi`` for N = 1, 2, 4; the 3-rank case
-starts its own ``mpirun``.
+starts its own ``mpirun`` (``tests/jobs/test_three_ranks.py``).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-from conftest import STRATEGIES, mpirun
 from mpi4py import MPI
+from reference import sampler_batches, train_serial
+from strategies import STRATEGIES
+from worlds import batch_splits, world_multiple_of
 
 from mpishard import ShardingConfiguration
 from mpishard.data import LocalDataset, ShardedSampler, rank_rows
@@ -44,21 +44,15 @@ def blocks(total, ranks):
 
 
 def serial_reference(x, y, epochs, batch=BATCH):
-    """One process on the union: the optimizer called on each whole global batch."""
-    model, opt = MLP(SIZES, activation="tanh", dtype=np.float64, seed=3), Adam(lr=1e-2)
-    state = opt.init_state(model.params.size, model.params.dtype, np)
-    sampler = ShardedSampler(len(x), batch, seed=0)
-    step, losses = 0, []
-    while sampler.state.epoch < epochs:
-        idx = sampler.batch_indices(0, batch)
-        losses.append(model.forward_backward(x[idx], y[idx]))
-        step += 1
-        opt.update(model.params, model.grads, state, step, opt.lr, 1.0)
-        sampler.advance()
-    return model.params.copy(), np.array(losses)
+    """One process on the union: the optimizer called on each whole global batch
+    (``reference``)."""
+    run = train_serial(MLP(SIZES, activation="tanh", dtype=np.float64, seed=3), Adam(lr=1e-2),
+                       sampler_batches(x, y, batch, epochs))
+    return run.params, run.losses
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 @pytest.mark.parametrize("name", ["ddp", "zero2-reduce_scatter"])
 def test_local_rows_train_like_one_process_on_the_union(name):
     x, y = union()
@@ -86,6 +80,7 @@ def test_local_rows_train_like_one_process_on_the_union(name):
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 def test_blocks_placed_by_start_in_any_rank_order():
     """``start=`` puts rank r's block anywhere: reversed blocks, same union."""
     x, y = union()
@@ -118,6 +113,7 @@ def test_bad_layouts_are_errors_on_every_rank():
 
 
 @pytest.mark.mpi(min_size=2)
+@world_multiple_of(2, "tensor_parallel_size 2")
 def test_tensor_parallel_peers_must_hold_the_same_rows():
     config = ShardingConfiguration(WORLD, tensor_parallel_size=2)
     x, y = union()
@@ -129,42 +125,13 @@ def test_tensor_parallel_peers_must_hold_the_same_rows():
         LocalDataset(x[:10] + WORLD.rank, y[:10], config)
 
 
-def test_three_ranks_equal_one_process():
-    """3 ranks (blocks of 18, 0 and 52 rows) against one process, in its own job."""
-    code = """
-import numpy as np
-from mpi4py import MPI
-from mpishard import ShardingConfiguration
-from mpishard.data import LocalDataset
-from mpishard.nn import MLP
-from mpishard.optim import Adam
-from mpishard.strategies import ZeRO2Optimizer
-import test_local_data as t
-x, y = t.union()
-lo, hi = t.blocks(t.TOTAL, MPI.COMM_WORLD.size)[MPI.COMM_WORLD.rank]
-config = ShardingConfiguration(MPI.COMM_WORLD)
-model = MLP(t.SIZES, activation="tanh", dtype=np.float64, seed=3)
-opt = ZeRO2Optimizer(Adam(lr=1e-2), config, reduce_method="reduce_scatter")
-result = opt.optimize(model, LocalDataset(x[lo:hi], y[lo:hi], config), epochs=2,
-                      batch_size=t.BATCH)
-ref, losses = t.serial_reference(x, y, epochs=2)
-np.testing.assert_allclose(model.params, ref, rtol=1e-10, atol=1e-13)
-np.testing.assert_allclose(result.losses, losses, rtol=1e-10)
-rows = MPI.COMM_WORLD.gather(hi - lo)
-if MPI.COMM_WORLD.rank == 0:
-    print("rows held:", *rows, flush=True)
-"""
-    job = mpirun(3, code, timeout=240, env={"PYTHONPATH": str(Path(__file__).parent)})
-    assert job.returncode == 0, job.output
-    assert "rows held: 18 0 52\n" in job.output, job.output
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
 def test_model_parallel_replicas_train_like_one_process(tp, pp):
     """tp=2 or pp=2: the tensor or pipeline peers of each data-parallel rank hold
     that rank's block."""
-    from test_hybrid import assert_matches_serial, make_opt, mlp_data, mlp_factory
+    from reference import assert_shards_match
+    from test_hybrid import make_opt, mlp_data, mlp_factory
     from test_hybrid import serial_reference as hybrid_reference
 
     from mpishard.strategies import HybridShardedModel, HybridShardedOptimizer
@@ -180,10 +147,11 @@ def test_model_parallel_replicas_train_like_one_process(tp, pp):
                           batch_size=16)
     serial, ref_losses = hybrid_reference(mlp_factory, (x, y), 16, 2, make_opt)
     np.testing.assert_allclose(result.losses, ref_losses, rtol=1e-10)
-    assert_matches_serial(model, serial)
+    assert_shards_match(model, serial)
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 def test_local_rows_may_change_between_epochs_only():
     """New rows join at an epoch boundary (the next epoch shuffles the new union);
     in the middle of an epoch they would shift the indices: an error everywhere."""
@@ -207,21 +175,21 @@ def test_local_rows_may_change_between_epochs_only():
     # The same as one process: epoch 0 on the first union, epoch 1 on the grown one.
     # The grown union is rank 0's old and new rows, then rank 1's, ...
     grown_order = np.concatenate([np.r_[a:b, 48 + a:48 + b] for a, b in blocks(48, WORLD.size)])
-    ref = MLP(SIZES, activation="tanh", dtype=np.float64, seed=3)
-    adam = Adam(lr=1e-2)
-    state = adam.init_state(ref.params.size, ref.params.dtype, np)
-    step = 0
-    for epoch, order in ((0, np.arange(48)), (1, grown_order)):
-        perm = order[np.random.default_rng([0, epoch]).permutation(len(order))]
-        for b in range(len(order) // BATCH):
-            idx = perm[b * BATCH:(b + 1) * BATCH]
-            ref.forward_backward(x[idx], y[idx])
-            step += 1
-            adam.update(ref.params, ref.grads, state, step, adam.lr, 1.0)
+
+    def batches():
+        for epoch, order in ((0, np.arange(48)), (1, grown_order)):
+            perm = order[np.random.default_rng([0, epoch]).permutation(len(order))]
+            for b in range(len(order) // BATCH):
+                idx = perm[b * BATCH:(b + 1) * BATCH]
+                yield x[idx], y[idx]
+
+    ref = train_serial(MLP(SIZES, activation="tanh", dtype=np.float64, seed=3), Adam(lr=1e-2),
+                       batches()).model
     np.testing.assert_allclose(model.params, ref.params, rtol=1e-10, atol=1e-13)
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 def test_short_last_batch_and_another_group_is_an_error():
     """drop_last=False: the short last batch (70 = 5 x 12 + 10) splits unevenly and
     still equals one process; a LocalDataset built over another configuration's
@@ -233,16 +201,8 @@ def test_short_last_batch_and_another_group_is_an_error():
     model = MLP(SIZES, activation="tanh", dtype=np.float64, seed=3)
     result = STRATEGIES["ddp"](Adam(lr=1e-2), config).optimize(
         model, data, epochs=1, batch_size=BATCH, drop_last=False)
-    ref = MLP(SIZES, activation="tanh", dtype=np.float64, seed=3)
-    adam = Adam(lr=1e-2)
-    state = adam.init_state(ref.params.size, ref.params.dtype, np)
-    sampler = ShardedSampler(TOTAL, BATCH, seed=0, drop_last=False)
-    losses = []
-    while sampler.state.epoch < 1:
-        idx = sampler.batch_indices(0, sampler.current_batch_size())
-        losses.append(ref.forward_backward(x[idx], y[idx]))
-        adam.update(ref.params, ref.grads, state, len(losses), adam.lr, 1.0)
-        sampler.advance()
+    ref, losses, _ = train_serial(MLP(SIZES, activation="tanh", dtype=np.float64, seed=3),
+                                  Adam(lr=1e-2), sampler_batches(x, y, BATCH, 1, drop_last=False))
     assert len(losses) == 6
     np.testing.assert_allclose(result.losses, losses, rtol=1e-10)
     np.testing.assert_allclose(model.params, ref.params, rtol=1e-10, atol=1e-13)

@@ -11,10 +11,11 @@ import functools
 import numpy as np
 import pytest
 from mpi4py import MPI
+from reference import sampler_batches, train_serial
+from worlds import batch_splits
 
 import mpishard.parallel.base as base
 from mpishard import ShardingConfiguration
-from mpishard.data import ShardedSampler
 from mpishard.nn import MLP
 from mpishard.optim import Adam
 from mpishard.parallel.overlap import choose_overlap
@@ -34,19 +35,13 @@ def make_data(n=64, features=5, classes=3, seed=1):
 
 
 def serial_reference(make_model, data, batch_size, epochs):
-    """One process, whole global batch, Adam called directly."""
-    model, opt = make_model(), Adam(lr=3e-3)
+    """One process, whole global batch, Adam called directly (``reference``)."""
     x, y = data
-    state = opt.init_state(model.params.size, model.params.dtype, np)
-    sampler = ShardedSampler(len(x), batch_size, seed=0)
-    for step in range(1, epochs * sampler.batches_per_epoch + 1):
-        idx = sampler.batch_indices(0, batch_size)
-        model.forward_backward(x[idx], y[idx])
-        opt.update(model.params, model.grads, state, step, opt.lr, 1.0)
-        sampler.advance()
-    return model.params.copy()
+    return train_serial(make_model(), Adam(lr=3e-3),
+                        sampler_batches(x, y, batch_size, epochs)).params
 
 
+@batch_splits(16)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("forced", [None, True, False])
 def test_auto_choice_agreed_and_results_unchanged(strategy, forced, monkeypatch):

@@ -12,8 +12,9 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import STRATEGIES
 from mpi4py import MPI
+from strategies import STRATEGIES
+from worlds import batch_splits
 
 from mpishard import ShardingConfiguration
 from mpishard.checkpoint import load_checkpoint, save_checkpoint
@@ -62,6 +63,7 @@ def uninterrupted(epochs=2, **kw):
      "shuffle=False differs from the data position's shuffle=True: the pass goes on with "
      "shuffle=True"),
 ])
+@batch_splits(BATCH)
 def test_a_conflicting_seed_or_shuffle_warns_once_on_rank_0_and_the_position_wins(
         first, then, says):
     model, opt = make_model(), make_strategy()
@@ -75,6 +77,7 @@ def test_a_conflicting_seed_or_shuffle_warns_once_on_rank_0_and_the_position_win
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 def test_another_batch_size_warns_and_is_used(mpi_tmp_path):
     path = os.path.join(str(mpi_tmp_path), "b.h5")
     model, opt = make_model(), make_strategy()
@@ -92,6 +95,7 @@ def test_another_batch_size_warns_and_is_used(mpi_tmp_path):
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 def test_no_argument_given_means_no_warning_and_the_restored_seed(mpi_tmp_path):
     """After load_checkpoint, optimize() without seed goes on with the file's seed 7
     silently; a position without the newer keys (an older file) is not compared."""
@@ -115,6 +119,7 @@ def test_no_argument_given_means_no_warning_and_the_restored_seed(mpi_tmp_path):
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 def test_elastic_returns_on_a_stop_and_epochs_is_the_total(mpi_tmp_path, strategy):
     """A requested stop (what SIGUSR1 does) checkpoints and returns, without

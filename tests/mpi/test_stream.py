@@ -6,7 +6,7 @@ finishes over the samples it started with. ``new_pass()`` starts again at epoch
 0. The reference is a plain NumPy loop that applies the rule itself (its own
 permutations, not the library's sampler), float64, rtol 1e-10; a restore from a
 checkpoint in the middle of it continues bit for bit. Run under ``mpirun -n N``
-for N = 1, 2, 4.
+for N = 1, 2, 4 (the datasets alone: ``tests/unit/test_streaming_dataset.py``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import os
 
 import numpy as np
 import pytest
-from conftest import STRATEGIES
 from mpi4py import MPI
+from reference import train_serial
+from strategies import STRATEGIES
+from worlds import batch_splits
 
 from mpishard import ShardingConfiguration
 from mpishard.checkpoint import load_checkpoint, save_checkpoint
@@ -40,21 +42,21 @@ def make_model():
 
 
 def reference(x, y, epochs):
-    """One process: ``epochs`` is a list of (seed, epoch, samples present at its start)."""
-    model, opt = make_model(), Adam(lr=1e-2)
-    state = opt.init_state(model.params.size, model.params.dtype, np)
-    losses, step = [], 0
-    for seed, epoch, n in epochs:
-        order = np.random.default_rng([seed, epoch]).permutation(n)
-        for b in range(n // BATCH):
-            idx = order[b * BATCH:(b + 1) * BATCH]
-            losses.append(model.forward_backward(x[idx], y[idx]))
-            step += 1
-            opt.update(model.params, model.grads, state, step, opt.lr, 1.0)
-    return model.params.copy(), np.array(losses)
+    """One process: ``epochs`` is a list of (seed, epoch, samples present at its start);
+    the batches cut from its own permutations, trained by ``reference.train_serial``."""
+    def batches():
+        for seed, epoch, n in epochs:
+            order = np.random.default_rng([seed, epoch]).permutation(n)
+            for b in range(n // BATCH):
+                idx = order[b * BATCH:(b + 1) * BATCH]
+                yield x[idx], y[idx]
+
+    run = train_serial(make_model(), Adam(lr=1e-2), batches())
+    return run.params, run.losses
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 @pytest.mark.parametrize("kind", ["StreamingDataset", "arrays"])
 @pytest.mark.parametrize("name", ["ddp", "zero2-reduce_scatter"])
 def test_growing_data_trains_each_epoch_on_what_it_started_with(name, kind):
@@ -95,6 +97,7 @@ def test_growing_data_trains_each_epoch_on_what_it_started_with(name, kind):
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 def test_a_checkpoint_in_a_growing_stream_resumes_exactly(mpi_tmp_path):
     """Stopped mid-epoch, checkpointed, restored into a new strategy, more data
     arrives: the same bits as the run that never stopped."""
@@ -118,6 +121,7 @@ def test_a_checkpoint_in_a_growing_stream_resumes_exactly(mpi_tmp_path):
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 def test_shrinking_or_disagreeing_data_is_an_error_on_every_rank():
     x, y = stream()
     model, opt = make_model(), STRATEGIES["ddp"](Adam(lr=1e-2), ShardingConfiguration(WORLD))
@@ -130,53 +134,3 @@ def test_shrinking_or_disagreeing_data_is_an_error_on_every_rank():
             opt.optimize(model, (x[:n], y[:n]), epochs=2, batch_size=BATCH)
     opt.new_pass()        # other data is fine after a new pass
     assert opt.optimize(model, (x[:48], y[:48]), epochs=1, batch_size=BATCH).steps == 6
-
-
-def test_streaming_dataset_appends_and_keeps_its_rows():
-    x, y = stream(total=40)
-    data = StreamingDataset(input_shape=(5,), dtype=np.float64, target_dtype=np.int64)
-    assert len(data) == 0
-    for a in range(0, 40, 7):
-        data.append(x[a:a + 7], y[a:a + 7])
-    data.append(x[0], y[0])        # one sample
-    assert len(data) == 41
-    xb, yb = data.buffers(4, np, np.float32)
-    data.gather(np.array([40, 3, 39, 0]), xb, yb)
-    np.testing.assert_array_equal(xb, x[[0, 3, 39, 0]].astype(np.float32))
-    np.testing.assert_array_equal(yb, y[[0, 3, 39, 0]])
-    with pytest.raises(ValueError, match="expecting rows of shape"):
-        data.append(np.ones((2, 4)), np.ones(2))
-
-
-def test_h5py_datasets_as_a_pair_read_by_rows(tmp_path):
-    """``optimize(model, (f["x"], f["y"]))``: the pair is read by sorted row
-    selections, never as a whole array."""
-    import h5py
-
-    from mpishard.data import ArrayDataset
-
-    x, y = stream(total=30)
-    with h5py.File(tmp_path / "d.h5", "w") as f:
-        f["x"], f["y"] = x, y
-    class Counted:
-        """An h5py dataset that records the selections read from it."""
-
-        def __init__(self, dset):
-            self.dset, self.shape, self.dtype, self.reads = dset, dset.shape, dset.dtype, []
-
-        def __len__(self):
-            return len(self.dset)
-
-        def __getitem__(self, sel):
-            self.reads.append(np.asarray(sel).tolist())
-            return self.dset[sel]
-
-    with h5py.File(tmp_path / "d.h5", "r") as f:
-        cx, cy = Counted(f["x"]), Counted(f["y"])
-        data = ArrayDataset(cx, cy)
-        xb, yb = data.buffers(5, np, np.float32)
-        idx = np.array([29, 3, 3, 0, 17])
-        data.gather(idx, xb, yb)
-        np.testing.assert_array_equal(xb, x[idx].astype(np.float32))
-        np.testing.assert_array_equal(yb, y[idx])
-        assert cx.reads == cy.reads == [[0, 3, 17, 29]]

@@ -25,7 +25,7 @@ from mpishard.comm import FlatComm
 from mpishard.nn import GPT, MLP, ParallelMLP, owned_ranges
 from mpishard.optim import SGD
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.layout3d]   # also at 8 ranks: tp2-pp2-dp2
 
 WORLD = MPI.COMM_WORLD
 RTOL, ATOL = 1e-10, 1e-14

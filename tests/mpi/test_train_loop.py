@@ -1,7 +1,7 @@
 """The one training loop (:mod:`mpishard.train`) against one process on the global batch.
 
 Run under ``mpirun -n N python -m pytest --with-mpi`` for N = 1, 2, 4 (the
-``mpi`` tests) and plain ``pytest`` (the rest). Each MPI test computes its
+pieces without MPI: ``tests/unit/test_train_loop_pieces.py``). Each MPI test computes its
 reference in the same test: a serial loop that calls the optimizer directly on
 each whole global batch (float64, rtol 1e-10), or the same training run
 without interruption (bit for bit, same layout).
@@ -13,17 +13,15 @@ import json
 import os
 import signal
 
-import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
+from reference import sampler_batches, train_serial
+from worlds import batch_splits, world_multiple_of
 
 from mpishard import ShardingConfiguration
-from mpishard.data import ArrayDataset, ShardedSampler, rank_rows
-from mpishard.hdf5data import HDF5Dataset
 from mpishard.nn import MLP
 from mpishard.optim import Adam
-from mpishard.protocols import Dataset
 from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer
 from mpishard.train import StopRequest, TrainResult, evaluate, run_training
 
@@ -48,24 +46,18 @@ def make_strategy(name, comm=WORLD, **kw):
 
 
 def serial_reference(data, epochs, batch=BATCH, drop_last=True):
-    """One process: the optimizer called directly on each whole global batch."""
-    model, opt = make_model(), Adam(lr=1e-2)
+    """One process: the optimizer called directly on each whole global batch
+    (``reference``)."""
     x, y = data
-    state = opt.init_state(model.params.size, model.params.dtype, np)
-    sampler = ShardedSampler(len(x), batch, seed=0, drop_last=drop_last)
-    losses, step = [], 0
-    while sampler.state.epoch < epochs:
-        idx = sampler.batch_indices(0, sampler.current_batch_size())
-        losses.append(model.forward_backward(x[idx], y[idx]))
-        step += 1
-        opt.update(model.params, model.grads, state, step, opt.lr, 1.0)
-        sampler.advance()
-    return model.params.copy(), np.array(losses)
+    run = train_serial(make_model(), Adam(lr=1e-2),
+                       sampler_batches(x, y, batch, epochs, drop_last=drop_last))
+    return run.params, run.losses
 
 
 # --- against one process -------------------------------------------------------------
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_optimize_matches_serial_and_reports_the_run(name):
     data = make_data()
@@ -85,6 +77,7 @@ def test_optimize_matches_serial_and_reports_the_run(name):
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_epochs_is_the_total_and_a_stop_resumes_exactly(name):
     """optimize(epochs=E) trains until E epochs are complete in total: a second
@@ -109,6 +102,7 @@ def test_epochs_is_the_total_and_a_stop_resumes_exactly(name):
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 def test_drop_last_false_trains_the_short_batch():
     """52 samples, batch 16: three full batches and one of 4 rows an epoch (4 rows
     split evenly over 1, 2 and 4 ranks)."""
@@ -124,6 +118,7 @@ def test_drop_last_false_trains_the_short_batch():
 
 
 @pytest.mark.mpi(min_size=2)
+@batch_splits(BATCH)
 def test_drop_last_false_with_unequal_rows_per_rank():
     """A short batch of 3 rows on 2 or 4 ranks: the ranks hold different row counts
     (zero included at 4); the step is still the mean over the 3 rows."""
@@ -137,6 +132,7 @@ def test_drop_last_false_with_unequal_rows_per_rank():
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 def test_any_ranks_signal_stops_every_rank_after_the_same_step():
     data = make_data()
     model, strategy = make_model(), make_strategy("ddp")
@@ -164,6 +160,7 @@ def test_any_ranks_signal_stops_every_rank_after_the_same_step():
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 def test_checkpoint_cadence_max_steps_and_metrics(mpi_tmp_path):
     from mpishard.checkpoint import CheckpointManager, load_checkpoint
 
@@ -207,6 +204,7 @@ def test_checkpoint_cadence_max_steps_and_metrics(mpi_tmp_path):
 
 
 @pytest.mark.mpi
+@batch_splits(BATCH)
 def test_bad_batch_and_changed_data_are_errors_on_every_rank():
     model, strategy = make_model(), make_strategy("ddp")
     with pytest.raises(ValueError, match="larger than the dataset"):
@@ -219,32 +217,8 @@ def test_bad_batch_and_changed_data_are_errors_on_every_rank():
 
 # --- evaluation ----------------------------------------------------------------------
 
-def test_evaluate_is_the_loss_of_the_whole_set():
-    x, y = make_data(n=45)
-    model = make_model()
-    logits = model.forward(x)
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    expected = np.mean(np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(45), y])
-    assert evaluate(model, x, y) == pytest.approx(expected, rel=1e-12)
-    assert evaluate(model, x, y, batch=7) == pytest.approx(expected, rel=1e-12)
-    # Regression: the mean over every element, batches of unequal size weighted by it.
-    reg = MLP([5, 4, 2], dtype=np.float64, seed=2, loss="mse")
-    target = np.random.default_rng(5).standard_normal((45, 2))
-    expected = np.mean((reg.forward(x) - target) ** 2)
-    assert evaluate(reg, x, target, batch=8) == pytest.approx(expected, rel=1e-12)
-    assert np.isnan(evaluate(reg, x[:0], target[:0]))
-
-
-def test_evaluate_on_each_backend(xp):
-    """No np.asarray on the model's output: a CuPy model evaluates on the device."""
-    x, y = make_data(n=20)
-    model = MLP(SIZES, activation="tanh", dtype=np.float64, seed=3, xp=xp)
-    value = evaluate(model, xp.asarray(x), y, batch=6)
-    assert isinstance(value, float)
-    assert value == pytest.approx(evaluate(make_model(), x, y), rel=1e-10)
-
-
 @pytest.mark.mpi(min_size=2)
+@world_multiple_of(2, "tensor_parallel_size 2")
 def test_evaluate_a_tensor_parallel_model_equals_the_serial_one():
     import functools
 
@@ -258,55 +232,3 @@ def test_evaluate_a_tensor_parallel_model_equals_the_serial_one():
     serial = factory()
     x, y = make_data(n=30)
     assert evaluate(sharded, x, y, batch=8) == pytest.approx(evaluate(serial, x, y), rel=1e-12)
-
-
-# --- the data layer ------------------------------------------------------------------
-
-def test_dataset_protocol(tmp_path):
-    x, y = make_data(n=10)
-    path = tmp_path / "d.h5"
-    with h5py.File(path, "w") as f:
-        f["x"], f["y"] = x, x[:, :2]
-    with HDF5Dataset(path, "/x", "/y", comm=MPI.COMM_SELF) as h5:
-        assert isinstance(h5, Dataset)
-    assert isinstance(ArrayDataset(x, y), Dataset)
-    assert not isinstance((x, y), Dataset) and not isinstance(x, Dataset)
-
-
-def test_sampler_short_batches_and_positions():
-    s = ShardedSampler(10, 4, seed=2, drop_last=False)
-    sizes = []
-    while s.state.epoch == 0:
-        sizes.append(s.current_batch_size())
-        s.advance()
-    assert sizes == [4, 4, 2] and s.batches_per_epoch == 3
-    assert ShardedSampler(10, 4).batches_per_epoch == 2
-    # A position restored at another batch size goes on from the same sample.
-    a = ShardedSampler(48, 8, seed=1)
-    a.advance()
-    a.advance()
-    b = ShardedSampler.from_position(a.position(), 12)
-    assert np.array_equal(b.batch_indices(0, 12), a.order(0)[16:28])
-    # With fewer samples left than a batch (drop_last), the next epoch begins.
-    c = ShardedSampler.from_position({**a.position(), "samples_consumed": 40}, 12)
-    assert (c.state.epoch, c.state.samples_consumed) == (1, 0)
-    assert [rank_rows(3, 4, r) for r in range(4)] == [(0, 0), (0, 1), (1, 2), (2, 3)]
-    assert [rank_rows(16, 4, r) for r in range(4)] == [(0, 4), (4, 8), (8, 12), (12, 16)]
-
-
-def test_stop_request_outside_the_main_thread_only_requests():
-    import threading
-
-    seen = []
-
-    def run():
-        with StopRequest() as stop:
-            seen.append(dict(stop._previous))
-            stop.request("resize")
-            seen.append(stop.received)
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    assert seen == [{}, "resize"]
-

@@ -1,4 +1,4 @@
-"""Jobs of ``tests/test_cluster.py``: ``python tests/cluster_cases.py CASE [ARGS]``.
+"""Jobs of ``tests/cluster/test_cluster.py``: ``python tests/support/cluster_cases.py CASE [ARGS]``.
 
 Each case runs on every rank of a job that spans the nodes of the namespace
 cluster (``scripts/cluster-local.sh``), computes its serial reference in the
@@ -20,11 +20,11 @@ import warnings
 
 import numpy as np
 from mpi4py import MPI
+from reference import sampler_batches, train_serial
 
 from mpishard import ShardingConfiguration, TopologyError
 from mpishard.checkpoint import load_checkpoint, save_checkpoint
 from mpishard.cli import main
-from mpishard.data import ShardedSampler
 from mpishard.nn import GPT, MLP
 from mpishard.optim import AdamW
 from mpishard.strategies import (
@@ -62,19 +62,12 @@ def make_opt():
 
 
 def serial(model, data, batch, epochs, steps=None):
-    """One process, the whole global batch, the optimizer called directly."""
-    opt = make_opt()
-    state = opt.init_state(model.params.size, model.params.dtype, np)
+    """One process, the whole global batch, the optimizer called directly (``reference``)."""
     x, y = data
-    sampler = ShardedSampler(len(x), batch, seed=0)
-    losses = []
-    total = epochs * sampler.batches_per_epoch if steps is None else steps
-    for step in range(1, total + 1):
-        idx = sampler.batch_indices(0, batch)
-        losses.append(model.forward_backward(x[idx], y[idx]))
-        opt.update(model.params, model.grads, state, step, opt.lr, 1.0)
-        sampler.advance()
-    return model, np.array(losses)
+    batches = (sampler_batches(x, y, batch, epochs) if steps is None
+               else sampler_batches(x, y, batch, steps=steps))
+    run = train_serial(model, make_opt(), batches)
+    return run.model, run.losses
 
 
 def close(actual, expected, what, rtol=1e-10):

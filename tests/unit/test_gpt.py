@@ -1,7 +1,7 @@
 """Tests of the GPT model, its pieces and pipeline stages, without MPI.
 
 Gradients are checked against central finite differences in float64 (step 1e-6,
-rtol 1e-6, atol 1e-8, as tests/test_nn.py); the forward against a plain NumPy
+rtol 1e-6, atol 1e-8, as tests/unit/test_nn.py); the forward against a plain NumPy
 reimplementation written from the definition (loops over heads, no buffers).
 Stage-split models are compared with the whole model at rtol 1e-13 (the same
 operations in the same order).
@@ -300,7 +300,7 @@ def test_step_loop_allocates_nothing_after_first_call(dtype):
     peak = steady_state_peak(model, x, y)
     # One attention-probability buffer is 8*4*32*32 floats (256 KiB in float64),
     # a logits buffer 8*32*100 (200 KiB). What remains is Python objects and
-    # NumPy's iteration buffers, as for the MLP in tests/test_nn.py.
+    # NumPy's iteration buffers, as for the MLP in tests/unit/test_nn.py.
     assert peak < 96 * 1024, peak
 
 
