@@ -196,6 +196,23 @@ SBATCH_JOBS = {
 }
 
 
+_SERIAL: dict[tuple[str, ...], dict[str, np.ndarray]] = {}
+
+
+def serial_run(args: list[str], out: Path) -> dict[str, np.ndarray]:
+    """The serial reference: ``mpishard train --strategy ddp ARGS`` in one process on this
+    machine, outside the cluster; the parameters of its step-8 checkpoint. Run once per
+    ``ARGS`` (the hybrid jobs, by node or round robin, train the same)."""
+    key = tuple(args)
+    if key not in _SERIAL:
+        ref = subprocess.run([sys.executable, "-m", "mpishard", "train", "--strategy", "ddp",
+                              *args, "--out", str(out)], capture_output=True, text=True,
+                             timeout=180, env=mpi_env({"OMP_NUM_THREADS": "1"}))
+        assert ref.returncode == 0, ref.stdout + ref.stderr
+        _SERIAL[key], _ = checkpoint(out / f"{args[1]}/checkpoints/ckpt-0000000008.h5")
+    return _SERIAL[key]
+
+
 @pytest.mark.parametrize("job_kind", sorted(SBATCH_JOBS))
 def test_sbatch_runs_across_two_nodes_of_the_local_slurm(cluster_slurm, tmp_path, job_kind):
     """``sbatch -N 2 slurm/ddp.sbatch`` (and ``hybrid.sbatch``: tp 2 inside each node,
@@ -230,12 +247,7 @@ def test_sbatch_runs_across_two_nodes_of_the_local_slurm(cluster_slurm, tmp_path
     got, attrs = checkpoint(tmp_path / f"run/{example}/checkpoints/ckpt-0000000008.h5")
     assert (attrs["step"], attrs["world_size"], attrs["strategy"], attrs["tp"],
             attrs["pp"]) == (8, 4, strategy, tp, pp)
-    # The serial reference: one process on this machine, outside the cluster.
-    ref = subprocess.run([sys.executable, "-m", "mpishard", "train", "--strategy", "ddp",
-                          *args, "--out", str(tmp_path / "serial")], capture_output=True,
-                         text=True, timeout=180, env=mpi_env({"OMP_NUM_THREADS": "1"}))
-    assert ref.returncode == 0, ref.stdout + ref.stderr
-    want, _ = checkpoint(tmp_path / f"serial/{example}/checkpoints/ckpt-0000000008.h5")
+    want = serial_run(args, tmp_path / "serial")
     assert sorted(got) == sorted(want)
     for name in want:   # atol: the GPT's key biases, whose gradient is 0 (softmax ignores them)
         np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-12, err_msg=name)

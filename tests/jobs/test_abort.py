@@ -63,6 +63,7 @@ def test_uncaught_exception_names_world_rank_host_and_group_rank():
     assert "Traceback (most recent call last)" in out and "line 11, in <module>" in out
 
 
+@pytest.mark.timing      # ShardingConfiguration(timeout=2) over ranks that all arrive
 def test_without_abort_the_waiting_rank_raises_and_the_simulation_goes_on():
     """abort_on_exception=False: the failing rank sees its own exception, the rank
     waiting for it a CommunicationError after the timeout, and the simulation

@@ -48,6 +48,7 @@ def test_uncaught_exception_on_one_rank_aborts_the_job(mpirun):
     assert seconds < 100
 
 
+@pytest.mark.timing      # ShardingConfiguration(timeout=2.0): both ranks arrive in time
 def test_collective_timeout_names_the_collective_and_group(mpirun):
     code, out, _ = mpirun(2, """
         from mpi4py import MPI
@@ -145,6 +146,7 @@ def _launches(log: list[dict]) -> list[tuple[int, str]]:
     return [(e["workers"], e["reason"]) for e in log if e["event"] == "launch"]
 
 
+@pytest.mark.timing      # the agent's polls (0.1 s) bound recovery_seconds to 0.5 s
 def test_agent_two_workers_killed_at_once_relaunch_two_fewer(tmp_path):
     # Ranks 1 and 2 SIGKILL themselves after step 6; the slots file still says 4.
     args = ["--every", "4"]

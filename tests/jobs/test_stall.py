@@ -20,7 +20,8 @@ import time
 import pytest
 from mpijobs import mpirun
 
-pytestmark = pytest.mark.launch
+# Timeouts of 2 s that every healthy rank must meet: run alone (scripts/test.sh).
+pytestmark = [pytest.mark.launch, pytest.mark.timing]
 
 TIMEOUT = 2.0
 SLEEP = 60          # the stalled rank; the test fails if the job waits for it

@@ -21,7 +21,8 @@ import pytest
 from mpijobs import mpirun
 from stuckjob import HOW, JOB, TIMEOUT
 
-pytestmark = pytest.mark.launch
+# Timeouts of 2 s that every healthy rank must meet: run alone (scripts/test.sh).
+pytestmark = [pytest.mark.launch, pytest.mark.timing]
 
 GRACE = 12.0        # start-up, the diagnosis (at most 1 s for a stack), MPI_Abort
 

@@ -18,7 +18,8 @@ import time
 import pytest
 from mpijobs import mpirun
 
-pytestmark = pytest.mark.launch
+# Timeouts of 2 s that every healthy rank must meet: run alone (scripts/test.sh).
+pytestmark = [pytest.mark.launch, pytest.mark.timing]
 
 TIMEOUT = 2.0
 SLEEP = 30.0          # far past the timeout: a job that waited for it took > 30 s
