@@ -11,9 +11,11 @@ The test folders, each one kind of run (``scripts/test.sh``):
 
 The helpers live in ``support/`` (on ``sys.path`` from here): ``mpijobs`` (jobs
 with their own ``mpirun``), ``backends`` (the ``xp`` fixture), ``strategies``
-(``STRATEGIES``), ``reference`` (the serial reference) and the job scripts.
-World sizes: ``@pytest.mark.mpi(min_size=N)`` (pytest-mpi) skips a test, on every
-rank, when the world has fewer than ``N`` ranks.
+(``STRATEGIES``), ``reference`` (the one serial reference), ``worlds`` (skips for
+world sizes a test does not fit), ``elastic``, ``slurmjobs``, ``nscluster`` (the
+``cluster`` fixture) and ``stuckjob``, and the job scripts ``elastic_worker.py`` and
+``cluster_cases.py``. World sizes: ``@pytest.mark.mpi(min_size=N)`` (pytest-mpi)
+skips a test, on every rank, when the world has fewer than ``N`` ranks.
 """
 
 from __future__ import annotations
