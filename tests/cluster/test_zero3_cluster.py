@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import mpi_env
+from mpijobs import mpi_env
 from test_cluster import HOSTS, cluster, hosts_by_rank  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.launch
