@@ -29,7 +29,7 @@ def test_defaults_run_both_examples_and_flags_override_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("given, world, message", [
-    ({"strategy": "zero3"}, 4, "unknown strategy 'zero3': choose one of ddp, zero2, hybrid"),
+    ({"strategy": "zero4"}, 4, "unknown strategy 'zero4': choose one of ddp, zero2, zero3, hybrid"),
     ({"strategy": "hybrid", "tp": 3}, 4, "impossible layout: tp 3 x pp 1 does not fit 4 rank(s)"),
     ({"tp": 2}, 4, "--tp 2 --pp 1 need --strategy hybrid"),
     ({"example": "gpt", "batch_size": 30}, 4, "does not split across 4 data-parallel rank(s)"),
