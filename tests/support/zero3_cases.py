@@ -1,7 +1,7 @@
 """Jobs of ``tests/cluster/test_zero3_cluster.py``: ``python zero3_cases.py CASE``.
 
 Run on every rank of a job across the nodes of the namespace cluster; each case
-computes its serial reference in the same process (``tests/cluster_cases.py``'s
+computes its serial reference in the same process (``tests/support/cluster_cases.py``'s
 helpers), compares, and prints ``CASE ok on HOST rank R: DETAIL;;``.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster_cases import (  # noqa: E402
     BATCH,
