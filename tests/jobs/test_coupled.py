@@ -26,7 +26,7 @@ import re
 import h5py
 import numpy as np
 import pytest
-from conftest import mpirun
+from mpijobs import mpirun
 
 pytestmark = pytest.mark.launch
 

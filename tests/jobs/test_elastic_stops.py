@@ -21,14 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mpi_env, mpirun_command
+from elastic import WORKER, run_reference
+from mpijobs import mpi_env
 
 from mpishard.exitcodes import EXIT_STOPPED
 
 pytestmark = pytest.mark.launch
 
-REPO = Path(__file__).resolve().parents[2]
-WORKER = [sys.executable, str(REPO / "tests" / "elastic_worker.py")]
 #: 96 samples, batches of 12: 8 steps an epoch, 24 in all.
 ARGS = ["--every", "1000", "--epochs", "3", "--step-seconds", "0.15"]
 STEPS = 24
@@ -64,21 +63,6 @@ def _agent(tmp: Path, during, *, timeout: float = 150) -> tuple[int, str, list[d
     return proc.returncode, proc.communicate()[0], _events(log)
 
 
-def _reference(tmp: Path, phases: list[tuple[int, int | None]]) -> np.ndarray:
-    """Plain runs that follow the exit code, each phase stopping after its step."""
-    for workers, stop_at in phases:
-        cmd = mpirun_command(workers, *WORKER[1:]) + [
-            "--ckpt", str(tmp / "ref-ckpt"), "--events", str(tmp / "ref-events"),
-            "--out", str(tmp / "reference.npy"), *ARGS]
-        if stop_at is not None:
-            cmd += ["--stop-at", str(stop_at)]
-        proc = subprocess.run(cmd, env=mpi_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=120)
-        assert proc.returncode == (EXIT_STOPPED if stop_at is not None else 0), proc.stdout
-        assert "never read opt.exit_code" not in proc.stdout   # this script reads it
-    return np.load(tmp / "reference.npy")
-
-
 def test_workers_that_exit_zero_after_a_resize_are_relaunched_and_finish(tmp_path):
     grown = []
 
@@ -102,7 +86,7 @@ def test_workers_that_exit_zero_after_a_resize_are_relaunched_and_finish(tmp_pat
     assert len(said) == 1 and FIX in said[0] and "relaunches them at the new size" in said[0]
     warned = [line for line in out.splitlines() if "never read opt.exit_code" in line]
     assert len(warned) == 1 and FIX in warned[0], out   # rank 0 of the stopped launch only
-    reference = _reference(tmp_path, [(2, first["final_step"]), (3, None)])
+    reference = run_reference(tmp_path, [(2, first["final_step"]), (3, None)], ARGS)
     assert np.array_equal(np.load(tmp_path / "elastic.npy"), reference)
 
 
