@@ -25,7 +25,8 @@ same; ``local=True``: the peers of one replica the same), other row shapes or
 dtypes, a stream that ends on some ranks only, an item that is not an ``(x,
 y)`` pair, or an iterator that raises, are a ``ValueError`` on every rank that
 names the batch and the ranks (by their rank in ``MPI.COMM_WORLD``, with their
-rank in the library's group beside it where the two differ). The values
+rank in the library's group beside it unless the group numbers them as
+``MPI.COMM_WORLD`` does). The values
 themselves are not compared: that each rank yields the right rows is the
 caller's part.
 
@@ -320,15 +321,16 @@ def _shapes_named(detail: list[str | None], labels: _Labels) -> str:
 
 class _Labels:
     """How the stream's errors name the ranks of ``group``: by ``MPI.COMM_WORLD``
-    rank, with the rank in the group beside it where the two differ (only on the
-    error path)."""
+    rank, with the rank in the group beside it unless the group numbers its ranks
+    as ``MPI.COMM_WORLD`` does (only on the error path)."""
 
     def __init__(self, group: FlatComm) -> None:
         self.name, self.world = group.name, group.world_ranks()
+        self.same = self.world == list(range(len(self.world)))
 
     def one(self, rank: int) -> str:
         world = self.world[rank]
-        return (f"world rank {world}" if world == rank else
+        return (f"world rank {world}" if self.same else
                 f"world rank {world} (rank {rank} of the {self.name} group)")
 
     def many(self, ranks: Any) -> str:

@@ -23,10 +23,12 @@ import warnings
 import numpy as np
 import pytest
 from mpi4py import MPI
+from reference import sampler_batches, train_serial
+from worlds import batch_splits
 
 from mpishard import ShardingConfiguration
 from mpishard.checkpoint import CheckpointManager
-from mpishard.data import BatchStream, DataPositionWarning, ShardedSampler
+from mpishard.data import BatchStream, DataPositionWarning
 from mpishard.nn import MLP, FunctionModel
 from mpishard.optim import SGD, Adam
 from mpishard.optim.schedules import CosineSchedule
@@ -35,7 +37,7 @@ from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer
 pytestmark = pytest.mark.mpi
 
 WORLD = MPI.COMM_WORLD
-BATCH = 16                    # splits over 1, 2 and 4 ranks
+BATCH = 16                    # splits over 1, 2 and 4 ranks (3: the tests skip)
 
 
 def make_data(n=64, seed=1):
@@ -48,19 +50,9 @@ def make_model():
     return MLP([5, 7, 3], activation="tanh", dtype=np.float64, seed=3)
 
 
-def serial(data, epochs, batch=BATCH, seed=0):
-    """One process, Adam(lr=1e-2) on each whole global batch of the sampler."""
-    model, opt = make_model(), Adam(lr=1e-2)
-    x, y = data
-    state = opt.init_state(model.params.size, model.params.dtype, np)
-    sampler = ShardedSampler(len(x), batch, seed=seed)
-    losses = []
-    while sampler.state.epoch < epochs:
-        idx = sampler.batch_indices(0, batch)
-        losses.append(model.forward_backward(x[idx], y[idx]))
-        opt.update(model.params, model.grads, state, len(losses), opt.lr, 1.0)
-        sampler.advance()
-    return model.params.copy(), losses
+def serial(data, epochs):
+    """One process, Adam(lr=1e-2) on each whole global batch of the strategies' order."""
+    return train_serial(make_model(), Adam(lr=1e-2), sampler_batches(*data, BATCH, epochs))
 
 
 def strict(line):
@@ -73,14 +65,15 @@ def strict(line):
 
 # --- epochs are a total ------------------------------------------------------------------
 
+@batch_splits(BATCH)
 def test_a_second_call_with_the_same_epochs_warns_once_and_trains_nothing():
     data = make_data()
     model = make_model()
     opt = DDPOptimizer(Adam(lr=1e-2), ShardingConfiguration(WORLD))
     first = opt.optimize(model, data, epochs=3, batch_size=BATCH)
-    params, losses = serial(data, 3)
-    np.testing.assert_allclose(model.params, params, rtol=1e-10)
-    np.testing.assert_allclose(first.losses, losses, rtol=1e-10)
+    reference = serial(data, 3)
+    np.testing.assert_allclose(model.params, reference.params, rtol=1e-10)
+    np.testing.assert_allclose(first.losses, reference.losses, rtol=1e-10)
     before = model.params.copy()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -97,7 +90,7 @@ def test_a_second_call_with_the_same_epochs_warns_once_and_trains_nothing():
     # The total that the warning suggests trains the three more epochs.
     more = opt.optimize(model, data, epochs=6, batch_size=BATCH)
     assert more.steps == 3 * len(data[0]) // BATCH
-    np.testing.assert_allclose(model.params, serial(data, 6)[0], rtol=1e-10)
+    np.testing.assert_allclose(model.params, serial(data, 6).params, rtol=1e-10)
 
 
 # --- the metrics file ----------------------------------------------------------------------
@@ -107,6 +100,7 @@ def records(path, parse=json.loads):
         return [parse(line) for line in f]
 
 
+@batch_splits(BATCH)
 def test_metrics_are_appended_when_the_position_continues(mpi_tmp_path):
     data = make_data()
     path = str(mpi_tmp_path / "metrics.jsonl")
@@ -120,7 +114,7 @@ def test_metrics_are_appended_when_the_position_continues(mpi_tmp_path):
     steps = [r for r in got if r["event"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 9))
     np.testing.assert_allclose([r["loss"] for r in steps], a.losses + b.losses, rtol=1e-12)
-    np.testing.assert_allclose(a.losses + b.losses, serial(data, 2)[1], rtol=1e-10)
+    np.testing.assert_allclose(a.losses + b.losses, serial(data, 2).losses, rtol=1e-10)
     assert [r["step"] for r in got if r["event"] == "end"] == [4, 8]
     assert [r["epoch"] for r in got if r["event"] == "epoch"] == [1, 2]
     WORLD.Barrier()
@@ -133,6 +127,7 @@ def test_metrics_are_appended_when_the_position_continues(mpi_tmp_path):
                                rtol=1e-12)
 
 
+@batch_splits(BATCH)
 @pytest.mark.parametrize("validation", [False, True])
 def test_metrics_are_strict_json_with_null_for_no_validation(mpi_tmp_path, validation):
     """Without validation data ``val_loss`` is null (NaN is not JSON); with it, the
@@ -164,6 +159,7 @@ def least_squares(p, x, y):
     return float(r @ r / len(y)), grad
 
 
+@batch_splits(BATCH)
 def test_skipped_steps_are_not_counted_as_steps():
     rng = np.random.default_rng(4)
     x = rng.standard_normal((64, 3))
@@ -198,12 +194,7 @@ def batches(rows=(8, 8, 5, 8, 8), seed=2):
 
 
 def serial_stream(items):
-    model, opt = make_model(), Adam(lr=1e-2)
-    state = opt.init_state(model.params.size, model.params.dtype, np)
-    for step, (a, b) in enumerate(items, 1):
-        model.forward_backward(a, b)
-        opt.update(model.params, model.grads, state, step, opt.lr, 1.0)
-    return model.params.copy()
+    return train_serial(make_model(), Adam(lr=1e-2), items).params
 
 
 @pytest.mark.parametrize("resume", ["first", "live"])
@@ -251,6 +242,7 @@ def test_stream_errors_name_world_ranks_with_the_group_rank_beside():
 
 # --- NumPy integers --------------------------------------------------------------------------
 
+@batch_splits(BATCH, micro_batches=2)
 def test_numpy_integers_are_accepted_wherever_an_int_is(mpi_tmp_path):
     """The same run with NumPy integers and with Python ints: the same bits."""
     data = make_data()
