@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 from mpijobs import mpirun
 
-pytestmark = pytest.mark.launch
+# Timeouts of 1 s that every healthy rank must meet: run alone (scripts/test.sh).
+pytestmark = [pytest.mark.launch, pytest.mark.timing]
 
 #: World rank 0 simulates; the others train on ``ml``. ``late(seconds)`` sleeps on
 #: the last trainer only.
