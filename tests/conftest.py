@@ -10,7 +10,7 @@ The test folders, each one kind of run (``scripts/test.sh``):
 * ``faults/``: ULFM tests, plain pytest in ``.venv-ft``.
 
 The helpers live in ``support/`` (on ``sys.path`` from here): ``mpijobs`` (jobs
-with their own ``mpirun``), ``backends`` (the ``xp`` fixture), ``strategies``
+with their own ``mpirun``), ``backends`` (the ``xp`` and ``kernels`` fixtures), ``strategies``
 (``STRATEGIES``), ``reference`` (the one serial reference), ``worlds`` (skips for
 world sizes a test does not fit), ``elastic``, ``slurmjobs``, ``nscluster`` (the
 ``cluster`` fixture) and ``stuckjob``, and the job scripts ``elastic_worker.py`` and
@@ -31,7 +31,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 # isort: split
-from backends import xp  # noqa: E402, F401  (the fixture)
+from backends import kernels, xp  # noqa: E402, F401  (the fixtures)
 from mpijobs import mpirun  # noqa: E402
 from nscluster import cluster  # noqa: E402, F401  (the fixture: tests/cluster, tests/faults)
 

@@ -6,11 +6,20 @@ optimizers and strategies call the function; they never choose a backend themsel
 Which implementation runs is :mod:`mpishard.kernels.select`'s decision. Pure: no MPI.
 """
 
-from .select import KERNEL_MODES, fused_on, kernel_mode, numba_available
+from .optim import adam_update, adam_update_numpy, sgd_update, sgd_update_numpy
+from .scratch import ScratchBuffers, chunk_bounds
+from .select import FUSED_MIN_ELEMENTS, KERNEL_MODES, fused_on, kernel_mode, numba_available
 
 __all__ = [
+    "FUSED_MIN_ELEMENTS",
     "KERNEL_MODES",
+    "ScratchBuffers",
+    "adam_update",
+    "adam_update_numpy",
+    "chunk_bounds",
     "fused_on",
     "kernel_mode",
     "numba_available",
+    "sgd_update",
+    "sgd_update_numpy",
 ]

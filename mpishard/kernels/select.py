@@ -4,8 +4,8 @@
 
 * ``auto`` (the default): fused where a fused version exists for the array's
   library and has been checked on that kind of device (Numba on the CPU when it
-  imports; CuPy kernels on a GPU once ``MPISHARD_GPU_KERNELS=1`` opts in, see
-  below), else the NumPy twin;
+  imports, for arrays of at least :data:`FUSED_MIN_ELEMENTS`; CuPy kernels on a
+  GPU once ``MPISHARD_GPU_KERNELS=1`` opts in, see below), else the NumPy twin;
 * ``reference``: always the NumPy twin (the bits of the reference path; slower);
 * ``fused``: the fused version wherever one exists (an error where it cannot run).
 
@@ -21,10 +21,18 @@ from types import ModuleType
 
 import numpy as np
 
-__all__ = ["KERNEL_MODES", "fused_on", "kernel_mode", "numba_available"]
+__all__ = ["FUSED_MIN_ELEMENTS", "KERNEL_MODES", "fused_on", "kernel_mode", "numba_available"]
 
 #: What ``MPISHARD_KERNELS`` accepts.
 KERNEL_MODES = ("auto", "reference", "fused")
+
+#: ``auto`` runs the Numba kernels on arrays of at least this many elements.
+#: The first fused call of a process costs ~0.3 s here (importing Numba 0.15 s,
+#: loading the cached machine code 0.15 s); a NumPy twin over a vector shorter
+#: than one of its chunks costs tens of microseconds, so a small model (a test's,
+#: a toy's) would never win that back. Above it the fused update saves about a
+#: millisecond per million elements per step (benchmarks/bench_optimizer.py).
+FUSED_MIN_ELEMENTS = 1 << 16
 
 
 @functools.cache
@@ -55,8 +63,11 @@ def _gpu_opted_in() -> bool:
     return os.environ.get("MPISHARD_GPU_KERNELS", "0").strip() not in ("", "0")
 
 
-def fused_on(xp: ModuleType) -> bool:
+def fused_on(xp: ModuleType, elements: int | None = None) -> bool:
     """Whether kernels on arrays of ``xp`` (``numpy`` or ``cupy``) run fused.
+
+    ``elements``: the size of the arrays at hand; under ``auto`` fewer than
+    :data:`FUSED_MIN_ELEMENTS` run the NumPy twin on the CPU.
 
     Raises:
         RuntimeError: ``MPISHARD_KERNELS=fused`` where no fused version can run
@@ -66,6 +77,8 @@ def fused_on(xp: ModuleType) -> bool:
     if mode == "reference":
         return False
     if xp is np:
+        if mode == "auto" and elements is not None and elements < FUSED_MIN_ELEMENTS:
+            return False
         if numba_available():
             return True
         if mode == "fused":

@@ -1,4 +1,4 @@
-"""``Adam`` and ``AdamW``: PyTorch's update rule, fused and chunked over a flat range."""
+"""``Adam`` and ``AdamW``: PyTorch's update rule over a flat range (one fused kernel)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..kernels.optim import adam_update
 from .base import FlatOptimizer, check_hyperparameter, check_range
 
 __all__ = ["Adam", "AdamW"]
@@ -23,12 +24,14 @@ class Adam(FlatOptimizer):
 
     State: ``{"exp_avg": m, "exp_avg_sq": v}``.
 
-    The update reads ``params``, ``grads``, ``m``, ``v`` and writes ``params``,
-    ``m``, ``v`` once each: the vectors are processed in cache-sized chunks
+    The update (:func:`mpishard.kernels.optim.adam_update`) reads ``params``,
+    ``grads``, ``m``, ``v`` and writes ``params``, ``m``, ``v`` once each: in one
+    fused pass, or, in its NumPy twin, in cache-sized chunks
     (:data:`~mpishard.optim.base.CHUNK_ELEMENTS`), with ``grad_scale`` and the bias
     corrections folded into scalar factors. The results equal PyTorch's formula up
     to rounding (the factors are grouped differently), and are bit-identical for
-    any chunking and for any split of the vector into separately updated ranges.
+    either implementation, any chunking and any split of the vector into
+    separately updated ranges.
 
     Raises:
         ValueError: a negative or non-finite ``lr``, ``eps`` or ``weight_decay``;
@@ -59,55 +62,18 @@ class Adam(FlatOptimizer):
                lr: float, grad_scale: float = 1.0) -> None:
         """Update ``params`` in place from ``grads * grad_scale``; ``grads`` is only read."""
         check_range(params, grads, state, self.state_names, step)
-        xp, chunks, (a, b) = self._chunks(params)
-        lr, scale = float(lr), float(grad_scale)
         b1, b2 = self.betas
-        wd = self.weight_decay
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        lr, wd = float(lr), self.weight_decay
         # lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
         #   = [lr * sqrt(bc2) / bc1] * m / (sqrt(v) + [eps * sqrt(bc2)])
         bc1 = 1.0 - b1 ** step
         sqrt_bc2 = math.sqrt(1.0 - b2 ** step)
-        step_size = lr * sqrt_bc2 / bc1
-        eps_hat = self.eps * sqrt_bc2
-        decay = 1.0 - lr * wd if self.decoupled_weight_decay else 1.0
-        l2 = wd if not self.decoupled_weight_decay else 0.0
-        # With L2 decay the gradient is built in scratch ``a`` (scale applied
-        # there); otherwise grads are read in place and the scale is folded into
-        # the moment coefficients.
-        k = 1.0 if l2 else scale
-        c1, c2 = (1.0 - b1) * k, (1.0 - b2) * k * k
-        multiply, sqrt, divide = xp.multiply, xp.sqrt, xp.divide
-        full = b.shape[0]
-        for start, stop in chunks:
-            p, g = params[start:stop], grads[start:stop]
-            m, v = exp_avg[start:stop], exp_avg_sq[start:stop]
-            n = stop - start
-            t = b if n == full else b[:n]
-            if decay != 1.0:
-                p *= decay
-            if l2:
-                d = a if n == full else a[:n]
-                multiply(p, l2, d)
-                if scale == 1.0:
-                    d += g
-                else:
-                    multiply(g, scale, t)
-                    d += t
-                g = d
-            # Twelve in-place passes over the chunk, all in cache (out= positional).
-            multiply(g, c1, t)
-            m *= b1
-            m += t
-            multiply(g, c2, t)
-            t *= g
-            v *= b2
-            v += t
-            sqrt(v, t)
-            t += eps_hat
-            divide(m, t, t)
-            t *= step_size
-            p -= t
+        adam_update(params, grads, state["exp_avg"], state["exp_avg_sq"], beta1=b1, beta2=b2,
+                    step_size=lr * sqrt_bc2 / bc1, eps_hat=self.eps * sqrt_bc2,
+                    decay=1.0 - lr * wd if self.decoupled_weight_decay else 1.0,
+                    l2=0.0 if self.decoupled_weight_decay else wd,
+                    grad_scale=float(grad_scale), chunk=self._chunk_length(params),
+                    scratch=self._scratch)
 
 
 @dataclass

@@ -1,15 +1,15 @@
-"""Shared machinery of the flat-vector optimizers: chunking, scratch buffers, checks."""
+"""Shared machinery of the flat-vector optimizers: hyperparameters, chunking, checks."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import numpy as np
 
 from ..backend import array_namespace
+from ..kernels.scratch import ScratchBuffers
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -20,15 +20,17 @@ __all__ = [
     "check_range",
 ]
 
-#: Elements per chunk on the host. An update does about a dozen in-place NumPy
-#: passes over each chunk; the chunk's slices of the parameters, gradients, state
-#: and scratch must stay in cache between those passes, so that main memory is
-#: read and written once per element. Smaller chunks pay Python's per-call cost
-#: (~1 us per ufunc, ~12 us per Adam chunk) too often: 4K-16K measured 1.3-2.5x
-#: slower. 64K float32 (256 KiB per array, ~1.3 MiB for Adam's five) fits a 2 MiB
-#: L2 and measured within noise of the best (128K-1M) at 25M elements. At 1.9M
-#: elements 256K chunks were up to ~20% faster, but only by using this 2-core
-#: machine's 32 MiB L3, which ranks sharing a node would share too
+#: Elements per chunk on the host, for the NumPy twins of the updates
+#: (:mod:`mpishard.kernels.optim`; the fused kernels make one unchunked pass).
+#: A twin does about a dozen in-place NumPy passes over each chunk; the chunk's
+#: slices of the parameters, gradients, state and scratch must stay in cache
+#: between those passes, so that main memory is read and written once per
+#: element. Smaller chunks pay Python's per-call cost (~1 us per ufunc, ~12 us
+#: per Adam chunk) too often: 4K-16K measured 1.3-2.5x slower. 64K float32
+#: (256 KiB per array, ~1.3 MiB for Adam's five) fits a 2 MiB L2 and measured
+#: within noise of the best (128K-1M) at 25M elements. At 1.9M elements 256K
+#: chunks were up to ~20% faster, but only by using this 2-core machine's 32 MiB
+#: L3, which ranks sharing a node would share too
 #: (benchmarks/bench_optimizer.py --chunk-sweep).
 CHUNK_ELEMENTS = 1 << 16
 
@@ -36,27 +38,6 @@ CHUNK_ELEMENTS = 1 << 16
 #: chunking; the loop only bounds the scratch memory (two buffers of this many
 #: elements, 64 MiB each in float32) and costs a dozen kernel launches per chunk.
 DEVICE_CHUNK_ELEMENTS = 1 << 24
-
-
-class ScratchBuffers:
-    """Grow-only work arrays, one set per (array module, device, dtype).
-
-    ``get`` returns ``count`` arrays of at least ``size`` elements; they are made
-    on the first request and replaced only by a larger request, so a training loop
-    allocates nothing after its first step.
-    """
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self._buffers: dict[tuple[str, Any, str], tuple[Any, ...]] = {}
-
-    def get(self, xp: Any, dtype: Any, size: int, device: Any = None) -> tuple[Any, ...]:
-        key = (xp.__name__, device, np.dtype(dtype).str)
-        buffers = self._buffers.get(key)
-        if buffers is None or buffers[0].shape[0] < size:
-            buffers = tuple(xp.empty(size, dtype=dtype) for _ in range(self.count))
-            self._buffers[key] = buffers
-        return buffers
 
 
 def check_range(params: Any, grads: Any, state: dict[str, Any], names: tuple[str, ...],
@@ -130,17 +111,7 @@ class FlatOptimizer:
         """Zeroed state arrays of length ``size`` by name (``{}`` when stateless)."""
         return {name: xp.zeros(size, dtype=dtype) for name in self.state_names}
 
-    def _chunks(self, params: Any) -> tuple[Any, Iterator[tuple[int, int]], tuple[Any, ...]]:
-        """The array module, the ``(start, stop)`` chunks of ``params`` and the scratch."""
-        xp = array_namespace(params)
-        n = params.shape[0]
-        limit = self.chunk_size if xp is np else DEVICE_CHUNK_ELEMENTS
-        chunk = max(1, min(limit, n))
-        device = getattr(getattr(params, "device", None), "id", None)
-        scratch = self._scratch.get(xp, params.dtype, chunk, device)
-        return xp, _bounds(n, chunk), scratch
-
-
-def _bounds(n: int, chunk: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, n, chunk):
-        yield start, min(start + chunk, n)
+    def _chunk_length(self, params: Any) -> int:
+        """Elements per chunk of the NumPy twins over ``params``."""
+        limit = self.chunk_size if array_namespace(params) is np else DEVICE_CHUNK_ELEMENTS
+        return max(1, min(limit, params.shape[0]))

@@ -1,10 +1,11 @@
-"""``SGD``: stochastic gradient descent with momentum, PyTorch's rule, fused and chunked."""
+"""``SGD``: stochastic gradient descent with momentum, PyTorch's rule (one fused kernel)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from ..kernels.optim import sgd_update
 from .base import FlatOptimizer, check_hyperparameter, check_range
 
 __all__ = ["SGD"]
@@ -52,49 +53,8 @@ class SGD(FlatOptimizer):
         """Update ``params`` in place from ``grads * grad_scale``; ``grads`` is only read."""
         names = self.state_names
         check_range(params, grads, state, names, step)
-        xp, chunks, (a, b) = self._chunks(params)
-        lr, scale = float(lr), float(grad_scale)
-        mom, wd = self.momentum, self.weight_decay
-        buffer = state["momentum_buffer"] if names else None
-        multiply, copyto = xp.multiply, xp.copyto
-        for start, stop in chunks:
-            n = stop - start
-            p, g = params[start:stop], grads[start:stop]
-            # d: the effective gradient, g itself when there is nothing to add.
-            if buffer is None and wd == 0.0:
-                # Plain SGD: grad_scale folds into the learning rate, two passes.
-                t = b[:n]
-                multiply(g, lr * scale, out=t)
-                p -= t
-                continue
-            if scale == 1.0 and wd == 0.0:
-                d = g
-            else:
-                d = a[:n]
-                if wd == 0.0:
-                    multiply(g, scale, out=d)
-                else:
-                    multiply(p, wd, out=d)
-                    if scale == 1.0:
-                        d += g
-                    else:
-                        t = b[:n]
-                        multiply(g, scale, out=t)
-                        d += t
-            if buffer is not None:
-                buf = buffer[start:stop]
-                if step == 1:
-                    copyto(buf, d)
-                else:
-                    buf *= mom
-                    buf += d
-                if self.nesterov:
-                    t = b[:n]
-                    multiply(buf, mom, out=t)
-                    t += d
-                    d = t
-                else:
-                    d = buf
-            t = b[:n]
-            multiply(d, lr, out=t)
-            p -= t
+        sgd_update(params, grads, state["momentum_buffer"] if names else None, lr=float(lr),
+                   momentum=self.momentum, nesterov=self.nesterov,
+                   weight_decay=self.weight_decay, grad_scale=float(grad_scale),
+                   first_step=step == 1, chunk=self._chunk_length(params),
+                   scratch=self._scratch)

@@ -1,7 +1,11 @@
-"""The array backends of the tests: the ``xp`` fixture (imported by ``tests/conftest.py``).
+"""The array backends of the tests: the ``xp`` and ``kernels`` fixtures (imported by
+``tests/conftest.py``).
 
 ``xp`` is NumPy, and CuPy where it imports and sees a CUDA device (those cases are
-marked ``gpu`` and skipped, with the reason, elsewhere).
+marked ``gpu`` and skipped, with the reason, elsewhere). ``kernels`` is
+``MPISHARD_KERNELS`` for a test's duration: ``reference`` (the NumPy twins of
+:mod:`mpishard.kernels`) and ``fused`` (Numba on NumPy arrays, CuPy kernels on
+CuPy arrays; skipped, with the reason, where Numba does not import).
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-__all__ = ["cupy_or_skip", "xp"]
+from mpishard.kernels import kernel_mode, numba_available
+
+__all__ = ["cupy_or_skip", "kernels", "xp"]
 
 
 def cupy_or_skip() -> ModuleType:
@@ -34,3 +40,15 @@ def cupy_or_skip() -> ModuleType:
 def xp(request) -> ModuleType:
     """The array library of the test: ``numpy``, or ``cupy`` where a device exists."""
     return np if request.param == "numpy" else cupy_or_skip()
+
+
+@pytest.fixture(params=["reference", "fused"])
+def kernels(request, monkeypatch) -> str:
+    """``MPISHARD_KERNELS`` for the test: the NumPy twins or the fused kernels."""
+    if request.param == "fused" and not numba_available():
+        pytest.skip("Numba does not import here: no fused CPU kernels to test")
+    monkeypatch.setenv("MPISHARD_KERNELS", request.param)
+    kernel_mode.cache_clear()        # read once per process: read it again
+    yield request.param
+    monkeypatch.undo()
+    kernel_mode.cache_clear()
