@@ -1,12 +1,16 @@
-"""Time the fused optimizer updates against unfused NumPy and the memory-bandwidth bound.
+"""Time the optimizer updates against the memory-bandwidth bound of their bytes.
 
-Prints one JSON line per measurement. The first line is the copy bandwidth of
-this machine, measured with ``np.copyto`` between two arrays far larger than the
-caches (bytes read + bytes written per second). Then, for each optimizer, size
-and dtype: the fused ``update`` time, the time of a plain NumPy implementation
-of the same formula, and the time the update would take if it moved its
-compulsory bytes (read params, grads, state; write params, state) at the copy
-bandwidth::
+Prints one JSON line per measurement. The first line is this machine's memory
+bandwidth on one core, measured in the same run on arrays far larger than the
+caches: a copy (``np.copyto``: bytes read + bytes written per second) and a
+STREAM triad ``a = b + s * c`` (one Numba loop where Numba imports: two arrays
+read, one written). Then, for each optimizer, size and dtype, the time of
+``update`` with the fused kernel (``MPISHARD_KERNELS=fused``: one Numba pass),
+with its NumPy twin (``reference``: a dozen in-place passes per cache-sized
+chunk) and of a plain NumPy implementation of the same formula (a temporary per
+operation), beside the time the update would take if it moved its compulsory
+bytes (read params, grads, state; write params, state) at the higher of the
+two bandwidths (``lower_bound_ms``; ``fused_over_bound``: how many times that)::
 
     python benchmarks/bench_optimizer.py                     # 1.9M and 25M float32
     python benchmarks/bench_optimizer.py --sizes 1000000 --chunk-sweep
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -24,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from mpishard.kernels import kernel_mode, numba_available
 from mpishard.optim import SGD, Adam, AdamW, sum_of_squares
 
 GRAD_SCALE = 0.5      # as a data-parallel average would pass
@@ -45,6 +51,29 @@ def copy_bandwidth(nbytes: int, repeats: int) -> float:
     dst = np.empty_like(src)
     best, _ = timed(lambda: np.copyto(dst, src), repeats)
     return 2 * src.nbytes / best
+
+
+def triad_bandwidth(nbytes: int, repeats: int) -> float | None:
+    """STREAM's triad in one compiled pass (None without Numba): 3 arrays' bytes / time."""
+    if not numba_available():
+        return None
+    import numba
+
+    @numba.njit(cache=False)
+    def triad(a, b, c, s):
+        for i in range(a.shape[0]):
+            a[i] = b[i] + s * c[i]
+
+    b = np.ones(nbytes // 4, np.float32)
+    c, a = np.ones_like(b), np.empty_like(b)
+    s = np.float32(0.5)
+    best, _ = timed(lambda: triad(a, b, c, s), repeats)
+    return 3 * b.nbytes / best
+
+
+def set_kernels(mode: str) -> None:
+    os.environ["MPISHARD_KERNELS"] = mode
+    kernel_mode.cache_clear()
 
 
 # Plain NumPy, one temporary per operation: what one writes without fusing.
@@ -100,7 +129,7 @@ def bench_case(name: str, n: int, dtype: Any, bandwidth: float, repeats: int,
 
     step = [2]
 
-    def fused_step():
+    def update_step():
         step[0] += 1
         opt.update(p, g, state, step[0], opt.lr, GRAD_SCALE)
 
@@ -108,21 +137,27 @@ def bench_case(name: str, n: int, dtype: Any, bandwidth: float, repeats: int,
         step[0] += 1
         naive(opt, p, g, state, step[0], opt.lr, GRAD_SCALE)
 
-    fused, fused_med = timed(fused_step, repeats)
+    times = {}
+    for mode in ("fused", "reference") if numba_available() else ("reference",):
+        set_kernels(mode)
+        times[mode] = timed(update_step, repeats)
+    set_kernels("auto")
     plain, plain_med = timed(naive_step, max(3, repeats // 3))
     nbytes = arrays_moved * n * np.dtype(dtype).itemsize
     bound = nbytes / bandwidth
-    return {
-        "optimizer": name, "n": n, "dtype": np.dtype(dtype).name,
-        "chunk_size": opt.chunk_size,
-        "fused_ms": round(fused * 1e3, 3), "fused_median_ms": round(fused_med * 1e3, 3),
-        "naive_ms": round(plain * 1e3, 3), "naive_median_ms": round(plain_med * 1e3, 3),
-        "speedup": round(plain / fused, 2),
-        "bytes_moved": nbytes, "lower_bound_ms": round(bound * 1e3, 3),
-        "fraction_of_bandwidth": round(bound / fused, 3),
-        "naive_fraction_of_bandwidth": round(bound / plain, 3),
-        "max_diff_vs_naive_over_update": max_diff,
-    }
+    out = {"optimizer": name, "n": n, "dtype": np.dtype(dtype).name,
+           "bytes_moved": nbytes, "lower_bound_ms": round(bound * 1e3, 3)}
+    for mode, label in (("fused", "fused"), ("reference", "twin")):
+        if mode in times:
+            best, med = times[mode]
+            out.update({f"{label}_ms": round(best * 1e3, 3),
+                        f"{label}_median_ms": round(med * 1e3, 3),
+                        f"{label}_over_bound": round(best / bound, 3)})
+    out.update({"twin_chunk_size": opt.chunk_size,
+                "naive_ms": round(plain * 1e3, 3), "naive_median_ms": round(plain_med * 1e3, 3),
+                "naive_over_bound": round(plain / bound, 3),
+                "max_diff_vs_naive_over_update": max_diff})
+    return out
 
 
 def bench_sum_of_squares(n: int, dtype: Any, bandwidth: float, repeats: int) -> dict[str, Any]:
@@ -148,9 +183,16 @@ def main() -> None:
                         help="time Adam at chunk sizes 4K..1M instead")
     args = parser.parse_args()
 
-    bandwidth = copy_bandwidth(256 << 20, 10)
-    print(json.dumps({"copy_bandwidth_GBps": round(bandwidth / 1e9, 2),
-                      "note": "np.copyto of 256 MiB: (read + written bytes) / time"}), flush=True)
+    copy = copy_bandwidth(256 << 20, 10)
+    triad = triad_bandwidth(256 << 20, 10)
+    bandwidth = max(copy, triad or 0.0)
+    print(json.dumps({"copy_bandwidth_GBps": round(copy / 1e9, 2),
+                      "triad_bandwidth_GBps": round(triad / 1e9, 2) if triad else None,
+                      "bound_bandwidth_GBps": round(bandwidth / 1e9, 2),
+                      "threads": os.environ.get("OMP_NUM_THREADS"),
+                      "note": "np.copyto of 256 MiB: (read + written bytes) / time; triad "
+                              "a = b + s*c over 3 x 256 MiB, one Numba loop: 3 arrays' "
+                              "bytes / time; the bound uses the higher"}), flush=True)
     for dtype in args.dtypes:
         for n in args.sizes:
             if args.chunk_sweep:
