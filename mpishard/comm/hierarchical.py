@@ -19,7 +19,9 @@ by slot or round robin alike).
 It has the call signatures of the :class:`~mpishard.comm.FlatComm` buffer calls
 that the strategies use for gradients (``Allreduce``, ``Iallreduce``,
 ``Reduce_scatter``, ``Ireduce_scatter``), so a strategy holds either as its
-reduction communicator; :func:`choose` measures both at attach and keeps the faster.
+reduction communicator; :func:`choose` measures them at attach (and a ring of
+point-to-point messages, :class:`~mpishard.comm.ring.RingComm`) and keeps the
+fastest.
 Sums give the flat result to rounding (another order of addition), not bit for bit.
 """
 
@@ -35,12 +37,13 @@ from ..backend import array_namespace
 from ..flat import shard_ranges
 from .communicator import FlatComm, Handle
 from .nodes import NodeMap
+from .ring import RING_MIN_ELEMENTS, RingComm
 from .timing import reduce_once, time_alternatives
 
 __all__ = ["REDUCTIONS", "HierarchicalComm", "choose"]
 
 #: What :func:`choose` picks between.
-REDUCTIONS = ("flat", "hierarchical")
+REDUCTIONS = ("flat", "hierarchical", "ring")
 
 
 class HierarchicalComm:
@@ -286,50 +289,60 @@ def _pack_plan(counts: list[int], rank_at: dict[tuple[int, int], int], nodes: in
 def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "allreduce",
            record: dict[str, Any] | None = None, repeats: int = 3,
            nodes: NodeMap | None = None, blocking: bool = False,
-           margin: float = 0.1) -> FlatComm | HierarchicalComm:
-    """The faster reduction communicator for buckets of ``elements``: ``group``
-    itself or a :class:`HierarchicalComm` over it, measured, not assumed.
+           margin: float = 0.1) -> FlatComm | HierarchicalComm | RingComm:
+    """The fastest reduction communicator for buckets of ``elements``: ``group``
+    itself, a :class:`HierarchicalComm` over it or a
+    :class:`~mpishard.comm.ring.RingComm` over it, measured, not assumed.
 
     ``kind``: ``"allreduce"`` (DDP) or ``"reduce_scatter"`` (ZeRO-2). Each way's
     time is the slowest rank's best of ``repeats`` rounds (after one warm-up)
-    that alternate the ways, so every rank returns the same choice; the two
-    levels (three communicators, more calls) must be faster by ``margin`` (10 %)
-    to be chosen, so that noise does not flip a tie from run to run; ``blocking``
-    measures the blocking calls (for reductions after the backward), otherwise
-    the non-blocking ones (during it). Without two
-    levels (one node, one rank per node, uneven nodes) nothing is measured; with
-    ``nodes`` (the world's :class:`~mpishard.comm.nodes.NodeMap`, the same on
-    every rank) a job on one node does not even build the communicators.
-    ``record`` receives ``{"choice", "flat", "hierarchical", "levels"}``
-    (seconds). Collective over ``group``.
+    that alternate the ways, so every rank returns the same choice; another way
+    than the group's own calls (more calls, more buffers) must be faster by
+    ``margin`` (10 %) to be chosen, so that noise does not flip a tie from run
+    to run; ``blocking`` measures the blocking calls (for reductions after the
+    backward), otherwise the non-blocking ones (during it). The two levels are
+    tried only where they exist (not on one node, with one rank per node or
+    uneven nodes; with ``nodes``, the world's
+    :class:`~mpishard.comm.nodes.NodeMap`, the same on every rank, a job on one
+    node does not even build their communicators); the ring only on host
+    (NumPy) buffers of at least :data:`~mpishard.comm.ring.RING_MIN_ELEMENTS`.
+    ``record`` receives ``{"choice", "flat", "hierarchical", "ring", "levels"}``
+    (seconds, None for a way not tried). Collective over ``group``.
     """
     if kind not in ("allreduce", "reduce_scatter"):
         raise ValueError(f"kind must be 'allreduce' or 'reduce_scatter', got {kind!r}")
-    if group.size == 1 or (nodes is not None and nodes.nodes == 1):
-        if record is not None:
-            record.update({"choice": "flat", "flat": None, "hierarchical": None,
-                           "levels": "one node" if group.size > 1 else "one rank"})
-        return group
-    hier = HierarchicalComm(group)
-    info: dict[str, Any] = {"levels": hier.describe(), "flat": None, "hierarchical": None}
-    if not hier.two_levels:
-        hier.free()
-        info["choice"] = "flat"
+    info: dict[str, Any] = {"choice": "flat", "flat": None, "hierarchical": None,
+                            "ring": None}
+    if group.size == 1:
+        info["levels"] = "one rank"
         if record is not None:
             record.update(info)
         return group
-    buf = xp.zeros(max(elements, group.size), dtype=dtype)
-    counts = _counts(buf.size, group.size)
-    recv = xp.zeros(counts[group.rank], dtype=dtype)
-    ways = {"flat": group, "hierarchical": hier}
-    info.update(time_alternatives(
-        group, {way: (lambda c=c: reduce_once(c, kind, blocking, buf, recv, counts))
-                for way, c in ways.items()}, repeats))
-    info["choice"] = ("hierarchical" if info["hierarchical"] < (1 - margin) * info["flat"]
-                      else "flat")
+    ways: dict[str, Any] = {"flat": group}
+    if nodes is not None and nodes.nodes == 1:
+        info["levels"] = "one node"
+    else:
+        hier = HierarchicalComm(group)
+        info["levels"] = hier.describe()
+        if hier.two_levels:
+            ways["hierarchical"] = hier
+        else:
+            hier.free()
+    if xp is np and elements >= RING_MIN_ELEMENTS:
+        ways["ring"] = RingComm(group)
+    if len(ways) > 1:
+        buf = xp.zeros(max(elements, group.size), dtype=dtype)
+        counts = _counts(buf.size, group.size)
+        recv = xp.zeros(counts[group.rank], dtype=dtype)
+        info.update(time_alternatives(
+            group, {way: (lambda c=c: reduce_once(c, kind, blocking, buf, recv, counts))
+                    for way, c in ways.items()}, repeats))
+        best = min((w for w in ways if w != "flat"), key=lambda w: (info[w], w))
+        if info[best] < (1 - margin) * info["flat"]:
+            info["choice"] = best
+    for way, comm in ways.items():
+        if way not in ("flat", info["choice"]):
+            comm.free()
     if record is not None:
         record.update(info)
-    if info["choice"] == "flat":
-        hier.free()
-        return group
-    return hier
+    return ways[info["choice"]]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..comm import FlatComm, Handle
 from ..comm.hierarchical import choose as choose_reduction
+from ..comm.ring import RING_MIN_ELEMENTS, RingComm
 from ..comm.timing import reduce_once, time_alternatives
 from ..errors import MpiShardError
 from ..flat import Range, shard_ranges
@@ -16,8 +20,10 @@ from .repro import WordShards
 
 __all__ = ["REDUCE_METHODS", "ZeRO2Core", "ZeRO2Options", "choose_reduce_method"]
 
-#: Ways of reducing a bucket to its shards.
-REDUCE_METHODS = ("reduce_scatter", "allreduce")
+#: Ways of reducing a bucket to its shards: MPI's reduce-scatter, MPI's allreduce
+#: (keeping this rank's piece), or a ring of point-to-point messages
+#: (:class:`~mpishard.comm.ring.RingComm`; host arrays only).
+REDUCE_METHODS = ("reduce_scatter", "allreduce", "ring")
 
 # Two bucket buffers: the backward fills one while the other is being reduced.
 _SLOTS = 2
@@ -28,11 +34,12 @@ class ZeRO2Options(DataParallelOptions):
     """:class:`~mpishard.parallel.base.DataParallelOptions` and ZeRO-2's own.
 
     Attributes:
-        reduce_method: ``"auto"`` (measure both at attach, on a bucket-sized
-            buffer, and keep the faster), ``"reduce_scatter"`` or ``"allreduce"``.
-            Both give the same sum up to rounding; on 3 or more ranks they may
-            add in a different order, so pin one where two runs must agree bit
-            for bit, or train with ``ShardingConfiguration(reproducible=True)``.
+        reduce_method: ``"auto"`` (measure them at attach, on a bucket-sized
+            buffer, and keep the fastest), ``"reduce_scatter"``, ``"allreduce"``
+            or ``"ring"`` (:class:`~mpishard.comm.ring.RingComm`; host arrays
+            only). All give the same sum up to rounding; on 3 or more ranks they
+            may add in a different order, so pin one where two runs must agree
+            bit for bit, or train with ``ShardingConfiguration(reproducible=True)``.
         buddy_copies: with fault tolerance on, each rank keeps copies of its
             right neighbour's shard (parameters and optimizer state) and of its
             own from before the update (:class:`~mpishard.recovery.ShardBuddy`),
@@ -58,8 +65,9 @@ class ZeRO2Core(DataParallelCore):
     library's models the backward pass writes gradients into two bucket-sized
     buffers in turn (the slots of :class:`~mpishard.comm.buckets.GradientBuckets`);
     each bucket, once complete, is reduced to its shards
-    (``Ireduce_scatter`` with per-rank counts, or ``Iallreduce`` and keep my piece,
-    whichever :func:`choose_reduce_method` measured faster) while the backward
+    (``Ireduce_scatter`` with per-rank counts, ``Iallreduce`` and keep my piece,
+    or a ring of point-to-point messages, whichever :func:`choose_reduce_method`
+    measured fastest) while the backward
     goes on, and the rank keeps only the piece of its shard. The full reduced
     gradient never exists; peak gradient memory is two buffers of the largest
     bucket plus the shard. The wrapped optimizer then updates the rank's shard of
@@ -120,15 +128,23 @@ class ZeRO2Core(DataParallelCore):
             self.reduce_method = choose_reduce_method(
                 dp, max(len(b) for b in buckets.ranges), dtype, xp, self.reduce_timings,
                 blocking=not self.bucketed)
+        dp.agree(None if self.reduce_method != "ring" or xp is np else
+                 "reduce_method='ring' sums host (NumPy) arrays, got CuPy ones", ValueError)
         # That reduction over the data group, or in two levels (inside the nodes,
         # then across) where that measured faster at this bucket size.
         self._release()   # attached before
         self.reduction_timings: dict[str, Any] = {}
-        self.reducer = dp if self.config.reproducible else choose_reduction(
-            dp, max(len(b) for b in buckets.ranges), dtype, xp,
-            kind="allreduce" if self.reduce_method == "allreduce" else "reduce_scatter",
-            blocking=not self.bucketed, nodes=self.config.groups.nodes,
-            record=self.reduction_timings)
+        if self.config.reproducible:
+            self.reducer = dp
+        elif self.reduce_method == "ring":
+            self.reducer = RingComm(dp)
+            self.reduction_timings["choice"] = "ring"
+        else:
+            self.reducer = choose_reduction(
+                dp, max(len(b) for b in buckets.ranges), dtype, xp,
+                kind="allreduce" if self.reduce_method == "allreduce" else "reduce_scatter",
+                blocking=not self.bucketed, nodes=self.config.groups.nodes,
+                record=self.reduction_timings)
 
     def _release(self) -> None:
         reducer = getattr(self, "reducer", None)
@@ -311,11 +327,14 @@ def _store(target: Any, piece: Any, overwrite: bool) -> None:
 def choose_reduce_method(dp: FlatComm, elements: int, dtype: Any, xp: Any,
                          record: dict[str, float] | None = None,
                          repeats: int = 5, blocking: bool = False) -> str:
-    """Time both ways of reducing one bucket to shards and return the faster.
+    """Time the ways of reducing one bucket to shards and return the fastest.
 
     Measured, not assumed: Open MPI 4.1's ``Reduce_scatter`` was slower than an
     ``Allreduce`` of the same buffer at 4 MiB and above on the machines this was
-    written on, and the answer differs between MPI libraries and networks. Each
+    written on, and both slower than a ring of point-to-point messages on one
+    node (25M float32 on 2 ranks: 165, 59 and 15 ms); the answer differs
+    between MPI libraries and networks. The ring is tried on host arrays of at
+    least :data:`~mpishard.comm.ring.RING_MIN_ELEMENTS` only. Each
     method's time is the slowest rank's best of ``repeats`` rounds that
     alternate the methods; every rank returns the same answer. ``blocking``
     measures the blocking forms (used when the reduction does not overlap a
@@ -326,9 +345,16 @@ def choose_reduce_method(dp: FlatComm, elements: int, dtype: Any, xp: Any,
     buf = xp.zeros(max(elements, dp.size), dtype=dtype)
     counts = [len(s) for s in shard_ranges(buf.size, dp.size)]
     recv = xp.zeros(counts[dp.rank], dtype=dtype)
-    times = time_alternatives(
-        dp, {m: (lambda m=m: reduce_once(dp, m, blocking, buf, recv, counts))
-             for m in REDUCE_METHODS}, repeats)
+    ring = RingComm(dp) if xp is np and elements >= RING_MIN_ELEMENTS else None
+    ways = {}
+    for method in REDUCE_METHODS:
+        if method == "ring" and ring is None:
+            continue
+        comm, kind = (ring, "reduce_scatter") if method == "ring" else (dp, method)
+        ways[method] = functools.partial(reduce_once, comm, kind, blocking, buf, recv, counts)
+    times = time_alternatives(dp, ways, repeats)
+    if ring is not None:
+        ring.free()
     if record is not None:
         record.update(times)
-    return min(REDUCE_METHODS, key=lambda m: (times[m], m))
+    return min(times, key=lambda m: (times[m], m))

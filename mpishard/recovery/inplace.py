@@ -22,13 +22,13 @@ __all__ = ["communicators", "recover_in_place", "recoverable", "shrink_only"]
 def communicators(core: StrategyCore) -> list[FlatComm]:
     """Every communicator ``core`` and its model wait on: the world, the data,
     tensor and pipeline groups, the step's group, ZeRO-3's gathers' and a
-    two-level reduction's. For
+    two-level or ring reduction's. For
     :func:`mpishard.comm.ulfm.recover`'s ``also``. Local."""
     groups = core.config.groups
     found = [groups.world, groups.dp, groups.tp, groups.pp, getattr(core, "_stepper", None),
              getattr(core, "gather_comm", None)]
     reducer = getattr(core, "reducer", None)
-    for name in ("node", "cross", "gather"):
+    for name in ("node", "cross", "gather", "ring"):     # HierarchicalComm's, RingComm's
         found.append(getattr(reducer, name, None))
     return [c for c in found if isinstance(c, FlatComm)]
 

@@ -66,7 +66,7 @@ EPOCHS, ROWS = 4, 24
 # shards back; without buddy copies: rolled back to the newest checkpoint).
 AFTER = PHASE in ("stop", "checkpoint", "evaluation")
 AGREED = KILL if AFTER else KILL - 1
-if STRATEGY == "zero2" and PHASE in ("allgather", "exchange") and not BUDDY:
+if STRATEGY.startswith("zero2") and PHASE in ("allgather", "exchange") and not BUDDY:
     AGREED = (AGREED // EVERY) * EVERY
 rank = MPI.COMM_WORLD.rank
 VICTIM = rank if rank in VICTIMS else VICTIMS[0]
@@ -75,7 +75,8 @@ X = rng.standard_normal((8 * ROWS, 5))
 Y = rng.integers(0, 3, 8 * ROWS)
 base = tempfile.gettempdir() + "/ulfm-train-" + os.environ.get("JOBTAG", "x")
 Strategy = DDPOptimizer if STRATEGY == "ddp" else ZeRO2Optimizer
-extra = {{}} if STRATEGY == "ddp" else {{"reduce_method": "allreduce", "buddy_copies": BUDDY}}
+extra = {{}} if STRATEGY == "ddp" else {{
+    "reduce_method": "ring" if STRATEGY == "zero2-ring" else "allreduce", "buddy_copies": BUDDY}}
 
 
 def fresh():
@@ -133,15 +134,18 @@ if rank in VICTIMS:
             return real(*a, **k)
         model.forward_backward = forward_backward
     elif PHASE == "bucket":
-        real_i = type(dp).Iallreduce
+        # The buckets' call: Iallreduce, or the ring's Isend (one per ring step; on
+        # the ring's own communicator: the buddy copies send with Isend too).
+        name = "Isend" if STRATEGY == "zero2-ring" else "Iallreduce"
+        real_i = getattr(type(dp), name)
         calls = [0]
-        def Iallreduce(self, *a, **k):
-            if opt.step_count == KILL - 1:
+        def reduction(self, *a, **k):
+            if opt.step_count == KILL - 1 and (name != "Isend" or self.name.endswith("(ring)")):
                 calls[0] += 1
-                if calls[0] == 2:      # the second bucket of the step
+                if calls[0] == 2:      # the second bucket of the step (the ring: its step 1)
                     die()
             return real_i(self, *a, **k)
-        type(dp).Iallreduce = Iallreduce
+        setattr(type(dp), name, reduction)
     elif PHASE == "step":
         real_a = type(dp).Allreduce
         def Allreduce(self, buf, *a, slot=None, **k):
@@ -243,7 +247,7 @@ MATRIX = [("ddp", "forward", 1, 3, 1), ("ddp", "bucket", 2, 3, 1), ("ddp", "step
           ("zero2", "forward", 11, 3, 1), ("zero2", "bucket", 12, 3, 1),
           ("zero2", "allgather", 13, 3, 1), ("zero2", "exchange", 14, 3, 1),
           ("zero2", "checkpoint", 15, 3, 1), ("zero2", "evaluation", 17, 3, 1),
-          ("zero2", "allgather", 19, 4, 2)]
+          ("zero2", "allgather", 19, 4, 2), ("zero2-ring", "bucket", 20, 3, 1)]
 
 
 @pytest.mark.parametrize("strategy,phase,seed,ranks,lose", MATRIX,
@@ -263,7 +267,7 @@ def test_a_rank_killed_inside_optimize_is_recovered_exactly(tmp_path, strategy, 
     [rec] = result["recoveries"]
     assert rec["lost_ranks"] == victims and rec["world_size"] == left, rec
     assert rec["step"] == agreed, (rec, kill)
-    assert rec["from"] == ("buddy" if strategy == "zero2" else "survivor"), rec
+    assert rec["from"] == ("buddy" if strategy.startswith("zero2") else "survivor"), rec
     print(f"{strategy} {phase}: recovery {rec['seconds']:.4f} s (shrink+agree "
           f"{rec['shrink_seconds']:.4f} s), vs reference {result['vs_reference']:.2e}")
     assert result["steps"] == 32 and result["world_size"] == left, result   # 4 epochs x 8

@@ -14,4 +14,5 @@ STRATEGIES = {
         opt, cfg, reduce_method="reduce_scatter", **kw),
     "zero2-allreduce": lambda opt, cfg, **kw: ZeRO2Optimizer(
         opt, cfg, reduce_method="allreduce", **kw),
+    "zero2-ring": lambda opt, cfg, **kw: ZeRO2Optimizer(opt, cfg, reduce_method="ring", **kw),
 }
