@@ -37,6 +37,8 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from mpishard import ShardingConfiguration  # noqa: E402
+from mpishard.comm import FlatComm  # noqa: E402
+from mpishard.comm.ring import RingComm  # noqa: E402
 from mpishard.flat import shard_ranges  # noqa: E402
 from mpishard.nn import MLP  # noqa: E402
 from mpishard.optim import Adam  # noqa: E402
@@ -102,11 +104,23 @@ def raw_collectives(n: int, comm: MPI.Comm, repeats: int) -> dict:
         comm.Allreduce(MPI.IN_PLACE, buf)
         comm.Allgatherv(MPI.IN_PLACE, [buf, (counts, displs)])
 
+    # The same sums as rings of point-to-point messages (mpishard.comm.ring).
+    ring = RingComm(FlatComm(comm, "bench"))
+
+    def ring_ar():
+        ring.Allreduce(buf)
+
+    def ring_rs_ag():
+        ring.Reduce_scatter(buf, recv, counts)
+        comm.Allgatherv(MPI.IN_PLACE, [buf, (counts, displs)])
+
     out = {}
     for name, fn in (("allreduce", ar), ("reduce_scatter_allgather", rs_ag),
-                     ("allreduce_allgather", ar_ag)):
+                     ("allreduce_allgather", ar_ag), ("ring_allreduce", ring_ar),
+                     ("ring_reduce_scatter_allgather", ring_rs_ag)):
         out[f"raw_{name}_s"] = timed(fn, repeats, comm, prepare=rewrite)
         out[f"raw_{name}_hot_s"] = timed(fn, repeats, comm)
+    ring.free()
     return out
 
 
@@ -132,6 +146,7 @@ def run_strategy(cls, sizes, steps: int, comm: MPI.Comm, overlap: bool) -> dict:
     record = {"step_s": total, **parts,
               "samples_per_s": BATCH_PER_RANK * comm.size / total,
               "memory": dist.memory_report()}
+    record["reduction"] = dist.reduction_timings.get("choice", "flat")
     if isinstance(dist, ZeRO2Optimizer):
         record["reduce_method"] = dist.reduce_method
         record["reduce_probe_s"] = dist.reduce_timings
@@ -200,12 +215,13 @@ def main() -> int:
                       "no_overlap": {k: v for k, v in plain.items() if k.endswith("_s")}}
             if raw:
                 if label == "ddp":
-                    raw_s = raw["raw_allreduce_s"]
+                    raw_s = raw["raw_ring_allreduce_s" if plain["reduction"] == "ring"
+                                else "raw_allreduce_s"]
                     ours = plain["communication_min_s"]
                 else:
-                    raw_s = raw["raw_allreduce_allgather_s"
-                                if plain.get("reduce_method") == "allreduce"
-                                else "raw_reduce_scatter_allgather_s"]
+                    raw_s = raw[{"allreduce": "raw_allreduce_allgather_s",
+                                 "ring": "raw_ring_reduce_scatter_allgather_s"}.get(
+                        plain.get("reduce_method"), "raw_reduce_scatter_allgather_s")]
                     ours = plain["communication_min_s"] + plain["gather_min_s"]
                 record.update(raw_s=raw_s, comm_ratio=ours / raw_s, raw=raw)
             emit(record)
