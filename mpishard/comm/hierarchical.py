@@ -289,7 +289,7 @@ def _pack_plan(counts: list[int], rank_at: dict[tuple[int, int], int], nodes: in
 def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "allreduce",
            record: dict[str, Any] | None = None, repeats: int = 3,
            nodes: NodeMap | None = None, blocking: bool = False,
-           margin: float = 0.1) -> FlatComm | HierarchicalComm | RingComm:
+           margin: float = 0.1, ring: bool = True) -> FlatComm | HierarchicalComm | RingComm:
     """The fastest reduction communicator for buckets of ``elements``: ``group``
     itself, a :class:`HierarchicalComm` over it or a
     :class:`~mpishard.comm.ring.RingComm` over it, measured, not assumed.
@@ -305,7 +305,8 @@ def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "all
     uneven nodes; with ``nodes``, the world's
     :class:`~mpishard.comm.nodes.NodeMap`, the same on every rank, a job on one
     node does not even build their communicators); the ring only on host
-    (NumPy) buffers of at least :data:`~mpishard.comm.ring.RING_MIN_ELEMENTS`.
+    (NumPy) buffers of at least :data:`~mpishard.comm.ring.RING_MIN_ELEMENTS`,
+    and not with ``ring=False`` (ZeRO-2, whose ``reduce_method`` chooses it).
     ``record`` receives ``{"choice", "flat", "hierarchical", "ring", "levels"}``
     (seconds, None for a way not tried). Collective over ``group``.
     """
@@ -328,7 +329,7 @@ def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "all
             ways["hierarchical"] = hier
         else:
             hier.free()
-    if xp is np and elements >= RING_MIN_ELEMENTS:
+    if ring and xp is np and elements >= RING_MIN_ELEMENTS:
         ways["ring"] = RingComm(group)
     if len(ways) > 1:
         buf = xp.zeros(max(elements, group.size), dtype=dtype)

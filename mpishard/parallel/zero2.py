@@ -144,7 +144,7 @@ class ZeRO2Core(DataParallelCore):
                 dp, max(len(b) for b in buckets.ranges), dtype, xp,
                 kind="allreduce" if self.reduce_method == "allreduce" else "reduce_scatter",
                 blocking=not self.bucketed, nodes=self.config.groups.nodes,
-                record=self.reduction_timings)
+                record=self.reduction_timings, ring=False)   # the ring: reduce_method's
 
     def _release(self) -> None:
         reducer = getattr(self, "reducer", None)

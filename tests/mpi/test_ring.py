@@ -13,10 +13,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpishard import ShardingConfiguration
 from mpishard.comm import FlatComm
 from mpishard.comm.hierarchical import choose
 from mpishard.comm.ring import RING_MIN_ELEMENTS, RingComm
 from mpishard.flat import shard_ranges
+from mpishard.nn import MLP
+from mpishard.optim import SGD
+from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer
 
 pytestmark = pytest.mark.mpi
 
@@ -147,3 +151,24 @@ def test_choose_tries_the_ring_on_large_buckets_only(group):
     check(x, expected, 1e-12, group.size, f"chosen {record['choice']}")
     if chosen is not group:
         chosen.free()
+
+
+def test_zero2_uses_the_ring_only_as_its_reduce_method():
+    # ZeRO-2's ring is reduce_method="ring" (measured by "auto"); a pinned MPI
+    # method keeps MPI's calls even on buckets large enough for the ring, so that
+    # pinning it keeps MPI's order of addition from run to run. DDP measures the
+    # ring in choose() (no reduce_method of its own).
+    sizes = [512, 520, 10]                     # 271,890 parameters: one bucket >= the minimum
+    for method in ("reduce_scatter", "allreduce", "ring"):
+        model = MLP(sizes, dtype=np.float32, seed=0)
+        assert model.params.size >= RING_MIN_ELEMENTS
+        zero = ZeRO2Optimizer(SGD(lr=0.1), ShardingConfiguration(MPI.COMM_WORLD), model=model,
+                              reduce_method=method)
+        assert isinstance(zero.reducer, RingComm) == (method == "ring"), (method, zero.reducer)
+        assert zero.reduction_timings.get("ring") is None or method == "ring"
+    ddp = DDPOptimizer(SGD(lr=0.1), ShardingConfiguration(MPI.COMM_WORLD),
+                       model=MLP(sizes, dtype=np.float32, seed=0))
+    record = ddp.reduction_timings
+    if MPI.COMM_WORLD.size > 1:
+        assert record["ring"] > 0 and record["flat"] > 0, record
+    assert isinstance(ddp.reducer, RingComm) == (record["choice"] == "ring"), record
