@@ -28,7 +28,8 @@ rank's mean per step, and the fastest rank's for the communication).
 An mpishard variant may name the kernels it runs with after a slash:
 ``mpishard_zero2/reference`` runs with ``MPISHARD_KERNELS=reference`` (the NumPy
 twins: the step before the fused update), ``mpishard_zero2`` with the
-environment's (``auto`` by default)::
+environment's (``auto`` by default), and ``mpishard_zero2/before`` with the
+mpishard of ``--before-tree`` (another checkout, say of the main branch)::
 
     python benchmarks/bench_cpu_step.py --variants torch_1thread,torch_2threads,\
 torch_ddp_gloo,mpishard_ddp/reference,mpishard_ddp,mpishard_zero2/reference,mpishard_zero2
@@ -174,7 +175,11 @@ def run_variant(name: str, model: str, args: argparse.Namespace) -> dict:
     label, _, options = name.partition("@")
     label, _, kernels = label.partition("/")
     strategy = label.split("_", 1)[1]
-    if kernels:
+    if kernels == "before":          # another tree's mpishard (the one before a change)
+        if not args.before_tree:
+            raise SystemExit(f"{name}: give --before-tree")
+        env["PYTHONPATH"] = os.path.abspath(args.before_tree)
+    elif kernels:
         env["MPISHARD_KERNELS"] = kernels
     cmd = ["mpirun", *args.mpirun_flags.split(), "-n", str(RANKS), args.python, HERE,
            "mpishard-worker", *common, "--strategy", strategy, "--rows", str(ROWS),
@@ -209,6 +214,9 @@ def main() -> int:
                         "mpishard_zero2,torch_ddp_gloo",
                         help="comma-separated; an mpishard variant may carry its own "
                         "strategy options as NAME@JSON (separated by ';' then)")
+    parser.add_argument("--before-tree", default="",
+                        help="a checkout whose mpishard the variants NAME/before run "
+                        "(for example the main branch, to compare a change with)")
     parser.add_argument("--torch-python", default="/work/torchenv/bin/python")
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--mpirun-flags",
