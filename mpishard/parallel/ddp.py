@@ -53,8 +53,10 @@ class DDPCore(DataParallelCore):
         # the nodes, then across) where that measured faster at this bucket size.
         self._release()   # attached before
         self.reduction_timings: dict[str, Any] = {}
-        self.reducer = self.dp if self.config.reproducible else choose_reduction(
-            self.dp, max(len(b) for b in self.buckets.ranges), dtype, xp,
+        # (Without buckets, a stage with no parameters, there is nothing to measure.)
+        largest = self.buckets.largest
+        self.reducer = self.dp if self.config.reproducible or not largest else choose_reduction(
+            self.dp, largest, dtype, xp,
             blocking=not self.bucketed, nodes=self.config.groups.nodes,
             record=self.reduction_timings)
 

@@ -116,16 +116,18 @@ class ZeRO2Core(DataParallelCore):
             model.set_backward_hooks(buckets)
         else:
             buckets.vector = model.grads
-        if self.reduce_method == "auto":   # chosen once: a rebuild keeps the choice
+        # Without buckets (a stage with no parameters) nothing is reduced: nothing
+        # to measure. Every rank of the data group holds the same layout.
+        largest = buckets.largest
+        if self.reduce_method == "auto" and largest:   # chosen once: a rebuild keeps it
             self.reduce_method = choose_reduce_method(
-                dp, max(len(b) for b in buckets.ranges), dtype, xp, self.reduce_timings,
-                blocking=not self.bucketed)
+                dp, largest, dtype, xp, self.reduce_timings, blocking=not self.bucketed)
         # That reduction over the data group, or in two levels (inside the nodes,
         # then across) where that measured faster at this bucket size.
         self._release()   # attached before
         self.reduction_timings: dict[str, Any] = {}
-        self.reducer = dp if self.config.reproducible else choose_reduction(
-            dp, max(len(b) for b in buckets.ranges), dtype, xp,
+        self.reducer = dp if self.config.reproducible or not largest else choose_reduction(
+            dp, largest, dtype, xp,
             kind="allreduce" if self.reduce_method == "allreduce" else "reduce_scatter",
             blocking=not self.bucketed, nodes=self.config.groups.nodes,
             record=self.reduction_timings)
