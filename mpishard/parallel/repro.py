@@ -160,9 +160,7 @@ class ReproducibleStep:
             per_rank = rows * s.accumulation_steps
             batch_start = dp.rank * per_rank + micro * rows
             global_rows = per_rank * dp.size
-        r = unit_rows_for(global_rows, s.config.unit_rows)
-        if _short_last_batch(s, global_rows):
-            r = 1     # split over the ranks as evenly as the rows allow: cut anywhere
+        r = self.unit_rows(global_rows)
         problem = None
         if global_rows % r:
             problem = (f"reproducible mode: the global batch of {global_rows} rows does not "
@@ -200,6 +198,12 @@ class ReproducibleStep:
         s._pending_micro += 1
         s._rows += rows
         return total / rows if rows else 0.0
+
+    def unit_rows(self, global_rows: int) -> int:
+        """Rows per unit of a global batch of ``global_rows`` (the same on every rank)."""
+        if _short_last_batch(self.strategy, global_rows):
+            return 1    # split over the ranks as evenly as the rows allow: cut anywhere
+        return unit_rows_for(global_rows, self.strategy.config.unit_rows)
 
     def _unit_buffers(self, x: Any, y: Any, r: int) -> tuple[Any, Any]:
         """A unit's rows are copied here: the same shapes and memory for every unit."""

@@ -9,7 +9,7 @@ from typing import Any
 from ..comm import FlatComm, ulfm
 from ..config import ShardingConfiguration
 
-__all__ = ["StepMarks", "survivors_config"]
+__all__ = ["StepMarks", "error_text", "put_state", "survivors_config"]
 
 
 class StepMarks:
@@ -49,3 +49,22 @@ def survivors_config(old: ShardingConfiguration, comm: Any) -> ShardingConfigura
     ulfm.enable([groups.world, groups.dp, groups.tp, groups.pp],
                 evict_stuck=old.groups.dp.evict_stuck)
     return config
+
+
+def put_state(core: Any, whole: dict[str, Any] | None, old: dict[str, Any], group: FlatComm,
+              root: int) -> None:
+    """Fill a rebuilt core's optimizer state: this rank's shard of the ``whole``
+    vectors (ZeRO-2, put together from shards and copies), or else ``old``, the
+    state the core held before, as held by rank ``root`` of ``group`` (every
+    replica holds it whole). Collective over ``group`` (the second case)."""
+    for name, value in (whole if whole is not None else old).items():
+        if whole is not None:
+            core.state[name][...] = value[core.shard.start:core.shard.stop]
+        else:
+            core.state[name][...] = value
+            group.Bcast(core.state[name], root=root)
+
+
+def error_text(exc: BaseException | None) -> str | None:
+    """The MPI error string of a failure, for the ``recovered`` event."""
+    return exc.Get_error_string() if hasattr(exc, "Get_error_string") else None

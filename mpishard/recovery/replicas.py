@@ -12,6 +12,20 @@ dp_rank) * tp + tp_rank``): replica 0 is ranks {0, 1, 4, 5}, replica 1 is
 after helping), replica 0 goes on as a 4-rank job with dp=1, its ranks 0, 1, 4,
 5 renumbered 0, 1, 2, 3 (the split keeps the old order, so the ``tp-dp-pp``
 order of :mod:`mpishard.topology` still holds).
+
+The survivors of the whole replicas form a new world (a split in the old rank
+order) and configuration (the old options, errors returned); the model and the
+core are rebuilt over it as the same objects, each rank keeping its parameters.
+**Hybrid DDP** goes on from the newest step a kept rank of every (tensor, stage)
+coordinate completed (the update after the step's ``Allreduce`` is local: the
+survivors may differ by one), each coordinate taking parameters and state from
+its lowest kept rank at that step. **Hybrid ZeRO-2**: each (tensor, stage)
+data-parallel group, its alive ranks in dropped replicas included, puts its
+parameters and state together at the newest step every group can rebuild
+exactly (its survivors' shards and the buddy copies of the lost ones), resharded
+over the kept ranks. The step count, skipped steps and data position are that
+step's. The alive ranks of dropped replicas, once they have helped, raise
+:class:`~mpishard.errors.HandOver` with exit code 0 (each says its own line).
 """
 
 from __future__ import annotations
@@ -24,9 +38,9 @@ from typing import Any
 from ..comm import FlatComm, ulfm, world_rank
 from ..errors import HandOver
 from ..exitcodes import EXIT_STOPPED
-from ..parallel import HybridCore, HybridShardedModel, HybridZeRO2Core
+from ..parallel import HybridCore, HybridShardedModel, HybridZeRO2Core, ZeRO2Core
 from ..topology import Topology
-from .common import StepMarks, survivors_config
+from .common import StepMarks, error_text, put_state, survivors_config
 from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
 
 __all__ = ["drop_replicas", "whole_replicas"]
@@ -53,44 +67,11 @@ def drop_replicas(strategy: HybridCore, rec: ulfm.Recovery, *,
                   buddy: ShardBuddy | None = None, marks: StepMarks | None = None,
                   exc: BaseException | None = None) -> dict[str, Any]:
     """After a rank failure in a 3D layout: drop every replica that lost a rank
-    and set ``strategy`` (and its :class:`~mpishard.parallel.hybrid.HybridShardedModel`)
-    up again in place over the ranks of the whole replicas; the ``recovered``
-    event. Collective over ``rec.world`` (every survivor calls it).
-
-    ``rec``: what :func:`mpishard.comm.ulfm.recover` agreed, over the old world,
-    with every communicator of the strategy and model revoked too (``also=``:
-    a rank waiting on a group without the dead rank must leave it). ``buddy``:
-    ZeRO-2's :class:`~mpishard.recovery.ShardBuddy`. ``marks``: this rank's
-    :class:`~mpishard.recovery.common.StepMarks` (the training loop's). ``exc``:
-    the failure, for the event's ``error``.
-
-    * The survivors of the whole replicas form a new world (a split of
-      ``rec.world`` in the old rank order), a new
-      :class:`~mpishard.ShardingConfiguration` over it (the old options,
-      ``data_parallel_size`` = the whole replicas, errors returned), the model
-      built again over it (same object) with each rank's own parameters, and
-      ``strategy`` itself rebuilt over it (same object and options).
-    * **Hybrid DDP**: every data-parallel rank holds parameters and optimizer
-      state whole; the run goes on from the newest step that a kept rank of
-      every (tensor, stage) coordinate completed (the survivors may differ by
-      one: the update after the step's ``Allreduce`` is local), each coordinate
-      taking them from its lowest kept rank at that step.
-    * **Hybrid ZeRO-2**: each (tensor, stage) data-parallel group (its alive
-      ranks in dropped replicas included) puts its parameters and state together
-      at the newest step every group can rebuild exactly (its survivors' shards
-      and the buddy copies of the lost ones), resharded over the kept ranks.
-    * ``step_count``, ``skipped_steps`` and the data position: that step's (a
-      survivor's ``marks``; without them, a survivor at that step).
-
-    The alive ranks of dropped replicas, once they have helped, raise
-    :class:`~mpishard.errors.HandOver` with exit code 0 (each says its own line):
-    the training loop ends their process.
-
-    Returns:
-        ``{"event": "recovered", "lost_ranks", "step", "world_size", "seconds",
-        "shrink_seconds", "survivor_steps", "rolled_back_from": None, "from":
-        "replica", "error", "dropped_ranks", "data_parallel_size"}`` (ranks of
-        ``MPI.COMM_WORLD``).
+    and rebuild ``strategy`` and its model in place over the whole replicas (the
+    module docstring says how); the ``recovered`` event (``"from": "replica"``,
+    with ``dropped_ranks`` and ``data_parallel_size``). ``rec``: what
+    :func:`mpishard.comm.ulfm.recover` agreed; ``buddy``, ``marks``, ``exc``: as
+    :func:`~mpishard.recovery.recover_in_place`'s. Collective over ``rec.world``.
 
     Raises:
         HandOver: on every survivor (exit 75, rank 0 of ``rec.world`` speaks): no
@@ -98,7 +79,7 @@ def drop_replicas(strategy: HybridCore, rec: ulfm.Recovery, *,
             stage) coordinate of the kept replicas; ZeRO-2 without a step every
             data group can rebuild exactly. On a dropped replica's alive ranks
             (exit 0), after they helped.
-        TypeError: ``strategy`` is not an attached hybrid strategy (on every rank).
+        TypeError: ``strategy`` is not an attached hybrid core (on every rank).
     """
     t0 = time.perf_counter()
     world = rec.world
@@ -118,7 +99,7 @@ def drop_replicas(strategy: HybridCore, rec: ulfm.Recovery, *,
     # at attach over the world (a hybrid strategy's step group), while all were alive.
     to_comm_world = [w for _, w in strategy._who]
     lost_by_replica = {d: [to_comm_world[r] for r in lost] for d, lost in broken.items()}
-    zero2 = isinstance(strategy, HybridZeRO2Core)
+    zero2 = isinstance(strategy, ZeRO2Core)     # ZeRO-3's shards too
 
     def hand_over(why: str) -> HandOver:
         return HandOver(f"cannot recover in place: {why}; restart from a checkpoint",
@@ -129,25 +110,11 @@ def drop_replicas(strategy: HybridCore, rec: ulfm.Recovery, *,
                          for d, lost in sorted(lost_by_replica.items()))
         raise hand_over(f"no model replica is whole ({what}) in a layout with "
                         f"tensor_parallel_size={topo.tp} and pipeline_parallel_size={topo.pp}")
-    full = None
-    if not zero2:
-        # The newest step at which every (tensor, stage) coordinate has a kept rank
-        # (the step's update is local: the survivors may differ by one step); each
-        # coordinate's new data group takes parameters and state from that rank.
-        counts: dict[tuple[int, int], dict[int, int]] = {}   # (tp, pp) -> step -> new dp
-        for _, d, t, p, count in sorted(every, key=lambda e: e[1]):
-            if d in kept:
-                counts.setdefault((t, p), {}).setdefault(count, kept.index(d))
-        common = set.intersection(*(set(c) for c in counts.values()))
-        if not common:
-            raise hand_over(
-                f"the survivors of the whole replicas {kept} disagree on the last completed "
-                f"step and no step is held at every (tensor, stage) coordinate "
-                f"({', '.join(f'{k}: {sorted(v)}' for k, v in sorted(counts.items()))})")
-        step = max(common)
-        root = counts[(me.tp, me.pp)][step] if me.dp in kept else 0
-    else:
+    full, root = None, 0
+    if zero2:
         step, full = _zero2_rebuild(strategy, buddy, world, me, hand_over)
+    else:
+        step, root = _ddp_step(every, kept, me, hand_over)
     # Skipped steps and the data position at that step: a survivor's mark of it,
     # else the own ones of a survivor that is at that step (of rec.source otherwise).
     marks = marks if marks is not None else StepMarks(
@@ -168,27 +135,39 @@ def drop_replicas(strategy: HybridCore, rec: ulfm.Recovery, *,
     state = strategy.state
     model.rebuild(config)          # the same object, this rank's parameters kept
     if zero2:
-        params_full, state_full = full
-        model.params[...] = params_full
+        model.params[...] = full[0]
     else:
         groups.dp.Bcast(model.params, root=root)
-    # The same object, set up again over the kept ranks (attach: buckets, state).
-    strategy.rebuild(config)
-    if zero2:
-        for name, value in state_full.items():
-            strategy.state[name][...] = value[strategy.shard.start:strategy.shard.stop]
-    else:
-        for name, value in state.items():
-            strategy.state[name][...] = value
-            groups.dp.Bcast(strategy.state[name], root=root)
+    strategy.rebuild(config)       # the same object and options, over the kept ranks
+    put_state(strategy, full[1] if zero2 else None, state, groups.dp, root)
     strategy.step_count = step
     strategy.skipped_steps, strategy.data_position = skipped, position
     return {"event": "recovered", "lost_ranks": rec.lost, "step": step,
             "world_size": groups.world.size, "seconds": rec.seconds + time.perf_counter() - t0,
             "shrink_seconds": rec.seconds, "survivor_steps": rec.steps,
             "rolled_back_from": None, "from": "replica",
-            "error": exc.Get_error_string() if hasattr(exc, "Get_error_string") else None,
+            "error": error_text(exc),
             "dropped_ranks": dropped, "data_parallel_size": config.topology.dp}
+
+
+def _ddp_step(every: list[tuple[int, ...]], kept: list[int], me: Any,
+              hand_over: Callable[[str], HandOver]) -> tuple[int, int]:
+    """Hybrid DDP: the newest step at which every (tensor, stage) coordinate has
+    a kept rank (the step's update is local: the survivors may differ by one
+    step), and the rank of this rank's new data group that holds it (each
+    coordinate takes parameters and state from its lowest kept rank there)."""
+    counts: dict[tuple[int, int], dict[int, int]] = {}   # (tp, pp) -> step -> new dp
+    for _, d, t, p, count in sorted(every, key=lambda e: e[1]):
+        if d in kept:
+            counts.setdefault((t, p), {}).setdefault(count, kept.index(d))
+    common = set.intersection(*(set(c) for c in counts.values()))
+    if not common:
+        raise hand_over(
+            f"the survivors of the whole replicas {kept} disagree on the last completed "
+            f"step and no step is held at every (tensor, stage) coordinate "
+            f"({', '.join(f'{k}: {sorted(v)}' for k, v in sorted(counts.items()))})")
+    step = max(common)
+    return step, counts[(me.tp, me.pp)][step] if me.dp in kept else 0
 
 
 def _zero2_rebuild(strategy: HybridZeRO2Core, buddy: ShardBuddy | None, world: FlatComm,
