@@ -38,8 +38,15 @@ class ZeRO2Options(DataParallelOptions):
             own from before the update (:class:`~mpishard.recovery.ShardBuddy`),
             so a rank lost at any point of a step is recovered exactly; False: a
             lost shard rolls back to the newest checkpoint.
+        overlap: as :class:`~mpishard.parallel.base.DataParallelOptions`', but
+            True by default: reducing after the backward needs the whole
+            gradient, which the bucketed backward never holds (two bucket
+            buffers and the shard instead), so ``"auto"`` could trade ZeRO's
+            gradient memory for a timing. Pass ``"auto"`` to let it.
     """
 
+    # (Redefined with ZeRO's default; a dataclass field keeps its place.)
+    overlap: bool | str = True
     reduce_method: str = "auto"
     buddy_copies: bool = True
 
