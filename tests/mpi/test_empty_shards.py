@@ -75,11 +75,12 @@ def serial(name: str, steps: int = STEPS, clip: float | None = CLIP,
            skip: frozenset = frozenset(), x_y=None):
     """The model trained by one process (support/reference) on the first ``steps``
     global batches of ``optimize`` (seed 0); the batches in ``skip`` are left out
-    (they update nothing and do not count as steps)."""
+    (they update nothing and do not count as steps). Returns (model, losses, norms)."""
     x, y = x_y if x_y is not None else data(name)
     batches = [b for k, b in enumerate(sampler_batches(x, y, BATCH, steps=steps))
                if k not in skip]
-    return train_serial(make(name), Adam(lr=0.05), batches, max_grad_norm=clip)
+    run = train_serial(make(name), Adam(lr=0.05), batches, max_grad_norm=clip)
+    return run.model, run.losses, run.norms
 
 
 def strategy_options(name: str, which: str) -> dict:

@@ -82,11 +82,13 @@ def serial(steps: int, clip: float | None = CLIP, skip: frozenset = frozenset(),
            x_y=None, sizes=SIZES):
     """The whole model trained by one process (support/reference) on the first
     ``steps`` global batches of ``optimize`` (seed 0); the batches in ``skip`` are
-    left out (they update nothing and do not count as steps)."""
+    left out (they update nothing and do not count as steps). Returns (model, losses,
+    norms)."""
     x, y = x_y if x_y is not None else data(sizes=sizes)
     batches = [b for k, b in enumerate(sampler_batches(x, y, BATCH, steps=steps))
                if k not in skip]
-    return train_serial(factory(sizes)(), Adam(lr=1e-2), batches, max_grad_norm=clip)
+    run = train_serial(factory(sizes)(), Adam(lr=1e-2), batches, max_grad_norm=clip)
+    return run.model, run.losses, run.norms
 
 
 def hybrid(comm, layout, kind, options, *, schedule="1f1b", micro=MICRO, reproducible=False,
@@ -201,7 +203,12 @@ def test_empty_stage_nonfinite_step(layout, strategy):
     assert_matches(model, opt, whole)
 
 
-@pytest.mark.parametrize("layout", cases(LAYOUTS.get(WORLD, [])), ids=layout_id)
+#: Reproducible mode's bits hold across pp and dp, not across tensor-parallel sizes
+#: (a split layer cuts its matrix products differently): the layouts of tp=1.
+UNSPLIT = [layout for layout in LAYOUTS.get(WORLD, []) if layout[0] == 1]
+
+
+@pytest.mark.parametrize("layout", cases(UNSPLIT), ids=layout_id)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_empty_stage_reproducible_bits_of_one_process(layout, strategy):
     # Reproducible mode: the bits of the same training on one process (pp=1).

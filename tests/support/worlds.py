@@ -50,5 +50,5 @@ def written_for(table: Mapping[int, T], size: int, what: str) -> T:
     """``table[size]``, or skip saying for which sizes ``what`` is written (call it
     where every rank of a group of ``size`` ranks reads it)."""
     if size not in table:
-        pytest.skip(f"{what} is written for groups of {sorted(table)} ranks, not {size}")
+        pytest.skip(f"{what}: written for groups of {sorted(table)} ranks, not {size}")
     return table[size]
