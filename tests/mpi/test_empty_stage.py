@@ -36,6 +36,7 @@ pytestmark = pytest.mark.mpi
 
 WORLD = MPI.COMM_WORLD.size
 ROWS, BATCH, MICRO, CLIP = 48, 16, 2, 0.3
+TIMEOUT = 300.0            # seconds: generous for 8 ranks on 2 loaded cores
 
 #: The model of a world size: layers Linear, GELU, Linear[, GELU, Linear].
 SIZES = {3: (6, 8, 4), 6: (6, 8, 4)}.get(WORLD, (6, 8, 8, 4))
@@ -94,8 +95,9 @@ def serial(steps: int, clip: float | None = CLIP, skip: frozenset = frozenset(),
 def hybrid(comm, layout, kind, options, *, schedule="1f1b", micro=MICRO, reproducible=False,
            **more):
     tp, pp, _, stages = layout
+    # Under a timeout: a rank left behind in a collective fails instead of hanging.
     config = ShardingConfiguration(comm, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                   reproducible=reproducible)
+                                   reproducible=reproducible, timeout=TIMEOUT)
     model = HybridShardedModel(factory(), config, micro_batches=micro, schedule=schedule,
                                stages=stages)
     opt = HybridShardedOptimizer(Adam(lr=1e-2), config, data_parallel=kind, model=model,
@@ -128,13 +130,14 @@ def check_memory(model, opt, kind, whole):
     """An empty stage holds no bytes of parameters, gradients or state; the
     stages' (and under ZeRO-3 the shards') parameter bytes add up to the model's."""
     report = opt.memory_report()
+    c = model.config.groups.coordinates
+    counted = report["parameters"] if kind == "zero3" or c.dp == 0 else 0
+    total = MPI.COMM_WORLD.allreduce(counted)     # (before any rank's assert fails)
     if empty_stage(model):
         assert report["parameters"] == report["gradients"] == report["optimizer_state"] == 0
         assert report.get("gathered", 0) == 0
     if model.config.topology.tp == 1:    # without tensor slices: a partition of the bytes
-        c = model.config.groups.coordinates
-        counted = report["parameters"] if kind == "zero3" or c.dp == 0 else 0
-        assert MPI.COMM_WORLD.allreduce(counted) == whole.params.nbytes
+        assert total == whole.params.nbytes
 
 
 @world_multiple_of(3, "pipeline_parallel_size=3")
@@ -168,12 +171,12 @@ def test_empty_stage_trains_like_one_process(layout, strategy, schedule):
     assert MPI.COMM_WORLD.allreduce(int(empty_stage(model))) == layout[0] * layout[2]
     result = opt.optimize(model, data(), epochs=2, batch_size=BATCH)
     np.testing.assert_allclose(result.losses, ref_losses, rtol=1e-10)
+    opt.verify_in_sync()     # collective: before the asserts that are this rank's own
+    check_memory(model, opt, kind, whole)
     assert_matches(model, opt, whole)
     # The global norm counts every stage's share (the empty one's is zero), clipped.
     assert opt.last_grad_norm > CLIP
     np.testing.assert_allclose(opt.last_grad_norm, ref_norm, rtol=1e-10)
-    opt.verify_in_sync()
-    check_memory(model, opt, kind, whole)
 
 
 @pytest.mark.parametrize("layout", cases(LAYOUTS.get(WORLD, [])), ids=layout_id)
