@@ -7,7 +7,7 @@ from typing import Any
 
 from ..comm import FlatComm, Handle
 from ..comm.hierarchical import choose as choose_reduction
-from ..comm.timing import reduce_once, time_alternatives
+from ..comm.timing import agree_on_fastest, reduce_once, time_alternatives
 from ..errors import MpiShardError
 from ..flat import Range, shard_ranges
 from ..protocols import Model
@@ -126,9 +126,16 @@ class ZeRO2Core(DataParallelCore):
         # Without buckets (a stage with no parameters) nothing is reduced: nothing
         # to measure. Every rank of the data group holds the same layout.
         largest = buckets.largest
-        if self.reduce_method == "auto" and largest:   # chosen once: a rebuild keeps it
-            self.reduce_method = choose_reduce_method(
-                dp, largest, dtype, xp, self.reduce_timings, blocking=not self.bucketed)
+        if self.reduce_method == "auto":   # chosen once: a rebuild keeps it
+            # Measured over this data group, chosen alike over the whole job (every
+            # data group of a 3D layout adds the replicated tensors' copies the same
+            # way); a stage without buckets measures nothing but takes part.
+            if largest:
+                choose_reduce_method(dp, largest, dtype, xp, self.reduce_timings,
+                                     blocking=not self.bucketed)
+            self.reduce_method = agree_on_fastest(
+                self.config.groups.world, self.reduce_timings, REDUCE_METHODS,
+                "reduce_scatter")
         # That reduction over the data group, or in two levels (inside the nodes,
         # then across) where that measured faster at this bucket size.
         self._release()   # attached before
