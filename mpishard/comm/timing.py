@@ -14,7 +14,7 @@ from typing import Any
 
 from .communicator import FlatComm
 
-__all__ = ["reduce_once", "time_alternatives"]
+__all__ = ["agree_on_fastest", "reduce_once", "time_alternatives"]
 
 
 def time_alternatives(group: FlatComm, ways: dict[str, Callable[[], Any]],
@@ -34,6 +34,28 @@ def time_alternatives(group: FlatComm, ways: dict[str, Callable[[], Any]],
             if round_:
                 best[way] = min(best[way], time.perf_counter() - t0)
     return {way: group.allreduce_scalar(best[way], op="max") for way in ways}
+
+
+def agree_on_fastest(group: FlatComm, times: dict[str, Any], ways: tuple[str, ...],
+                     default: str) -> str:
+    """The way that is fastest by the slowest of ``group``'s measurements, the same
+    on every rank, or ``default`` where no rank measured any (a way that no rank
+    measured is never chosen).
+
+    For a choice that several groups measure separately but must make alike (the
+    data-parallel groups of a 3D layout hold copies of the replicated tensors: a
+    different order of addition on another tensor rank would let the copies
+    drift). A rank that measured nothing passes an empty ``times``. Collective
+    over ``group``.
+    """
+    slowest = {way: group.allreduce_scalar(float(times.get(way) or 0.0), op="max")
+               for way in ways}
+    # A way no rank measured (ZeRO-2's ring on device arrays or small buckets) is
+    # not a candidate: its 0 is no time.
+    measured = [way for way in ways if slowest[way] > 0.0]
+    if not measured:
+        return default
+    return min(measured, key=lambda way: (slowest[way], way))
 
 
 def reduce_once(comm: Any, kind: str, blocking: bool, buf: Any, recv: Any,

@@ -50,10 +50,14 @@ class DataParallelOptions:
         accumulation_steps: micro-batches per step; only the last communicates (DDP).
         max_grad_norm: clip by the global gradient norm (None: no clipping).
         schedule: ``step -> factor`` of the learning rate.
-        overlap: start bucket reductions during the backward (library models
-            only); ``"auto"``: during or after it, whichever a
-            stand-in backward measured faster at attach
-            (:mod:`mpishard.parallel.overlap`; ``overlap_timings``, ``bucketed``).
+        overlap: ``"auto"`` (DDP's default): reduce gradient buckets during
+            the backward or after it, whichever a stand-in backward measured
+            faster at attach (:mod:`mpishard.parallel.overlap`;
+            ``overlap_timings``, ``bucketed``); True (ZeRO's default, see
+            :class:`~mpishard.parallel.zero2.ZeRO2Options`): during it (library
+            models only); False: after it. The two ways may add in a different
+            order on 3 or more ranks: pin one where two runs must agree bit for
+            bit, or train with ``ShardingConfiguration(reproducible=True)``.
         nonfinite: ``"error"`` (a NaN or infinite loss or gradient norm raises
             :class:`~mpishard.errors.NonFiniteError` on every rank) or ``"skip"``
             (no update on any rank; counted in ``skipped_steps``).
@@ -63,7 +67,7 @@ class DataParallelOptions:
     accumulation_steps: int = 1
     max_grad_norm: float | None = None
     schedule: Callable[[int], float] | None = None
-    overlap: bool | str = True
+    overlap: bool | str = "auto"
     nonfinite: str = "error"
 
     def __post_init__(self) -> None:
@@ -493,12 +497,17 @@ class DataParallelCore:
         """
         model = self._require_model()
         digest = hashlib.blake2b(to_numpy(model.params).tobytes(), digest_size=16).hexdigest()
+        self._compare_digests(digest, "replicas", "parameter hash")
+
+    def _compare_digests(self, digest: str, who: str, what: str) -> None:
+        """Collective over the data-parallel group: every rank's ``(digest, step)``
+        against rank 0's; a ``CommunicationError`` on every rank naming those that differ."""
         every = self.dp.allgather((digest, self.step_count))
         if len(set(every)) > 1:
             odd = [r for r, d in enumerate(every) if d != every[0]]
             raise CommunicationError(
-                f"replicas out of sync: data-parallel rank(s) {odd} differ from rank 0 "
-                f"(parameter hash, step) = {every[0]}")
+                f"{who} out of sync: data-parallel rank(s) {odd} differ from rank 0 "
+                f"({what}, step) = {every[0]}")
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients, optimizer state and

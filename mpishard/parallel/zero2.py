@@ -11,7 +11,7 @@ import numpy as np
 from ..comm import FlatComm, Handle
 from ..comm.hierarchical import choose as choose_reduction
 from ..comm.ring import RING_MIN_ELEMENTS, RingComm
-from ..comm.timing import reduce_once, time_alternatives
+from ..comm.timing import agree_on_fastest, reduce_once, time_alternatives
 from ..errors import MpiShardError
 from ..flat import Range, shard_ranges
 from ..protocols import Model
@@ -45,8 +45,15 @@ class ZeRO2Options(DataParallelOptions):
             own from before the update (:class:`~mpishard.recovery.ShardBuddy`),
             so a rank lost at any point of a step is recovered exactly; False: a
             lost shard rolls back to the newest checkpoint.
+        overlap: as :class:`~mpishard.parallel.base.DataParallelOptions`', but
+            True by default: reducing after the backward needs the whole
+            gradient, which the bucketed backward never holds (two bucket
+            buffers and the shard instead), so ``"auto"`` could trade ZeRO's
+            gradient memory for a timing. Pass ``"auto"`` to let it.
     """
 
+    # (Redefined with ZeRO's default; a dataclass field keeps its place.)
+    overlap: bool | str = True
     reduce_method: str = "auto"
     buddy_copies: bool = True
 
@@ -124,24 +131,33 @@ class ZeRO2Core(DataParallelCore):
             model.set_backward_hooks(buckets)
         else:
             buckets.vector = model.grads
-        if self.reduce_method == "auto":   # chosen once: a rebuild keeps the choice
-            self.reduce_method = choose_reduce_method(
-                dp, max(len(b) for b in buckets.ranges), dtype, xp, self.reduce_timings,
-                blocking=not self.bucketed)
+        # Without buckets (a stage with no parameters) nothing is reduced: nothing
+        # to measure. Every rank of the data group holds the same layout.
+        largest = buckets.largest
+        if self.reduce_method == "auto":   # chosen once: a rebuild keeps it
+            # Measured over this data group, chosen alike over the whole job (every
+            # data group of a 3D layout adds the replicated tensors' copies the same
+            # way); a stage without buckets measures nothing but takes part.
+            if largest:
+                choose_reduce_method(dp, largest, dtype, xp, self.reduce_timings,
+                                     blocking=not self.bucketed)
+            self.reduce_method = agree_on_fastest(
+                self.config.groups.world, self.reduce_timings, REDUCE_METHODS,
+                "reduce_scatter")
         dp.agree(None if self.reduce_method != "ring" or xp is np else
                  "reduce_method='ring' sums host (NumPy) arrays, got CuPy ones", ValueError)
         # That reduction over the data group, or in two levels (inside the nodes,
         # then across) where that measured faster at this bucket size.
         self._release()   # attached before
         self.reduction_timings: dict[str, Any] = {}
-        if self.config.reproducible:
+        if self.config.reproducible or not largest:
             self.reducer = dp
         elif self.reduce_method == "ring":
             self.reducer = RingComm(dp)
             self.reduction_timings["choice"] = "ring"
         else:
             self.reducer = choose_reduction(
-                dp, max(len(b) for b in buckets.ranges), dtype, xp,
+                dp, largest, dtype, xp,
                 kind="allreduce" if self.reduce_method == "allreduce" else "reduce_scatter",
                 blocking=not self.bucketed, nodes=self.config.groups.nodes,
                 record=self.reduction_timings, ring=False)   # the ring: reduce_method's

@@ -12,7 +12,6 @@ from typing import Any
 from ..backend import to_numpy
 from ..comm import FlatComm, ulfm
 from ..comm.gather import ParameterGather
-from ..errors import CommunicationError
 from ..flat import Range, bucket_ranges, unit_ranges
 from ..protocols import BACKWARD, FORWARD, Model, ShardableModel
 from .zero2 import ZeRO2Core, ZeRO2Options
@@ -69,7 +68,9 @@ class ZeRO3Core(ZeRO2Core):
     A model without those hooks (a :class:`~mpishard.nn.FunctionModel`, a
     user's model) keeps its whole parameter vector and is trained as ZeRO-2
     does (the vector is ``Allgatherv``-ed after the update, so it is current
-    whenever it is read); only its gradients and state are sharded.
+    whenever it is read); only its gradients and state are sharded. So does a
+    model without parameters (a pipeline stage of activations only): its empty
+    vector is all there is, and there is nothing to gather.
 
     While a model is attached, its ``params`` is None and its ``forward`` is
     collective over ``groups.dp`` (every rank gathers each bucket):
@@ -111,8 +112,11 @@ class ZeRO3Core(ZeRO2Core):
             MpiShardError: the parameter count or dtype differs between ranks.
         """
         super().attach(model)
-        if not isinstance(model, ShardableModel):
-            return              # ZeRO-2's parameters: the model keeps its vector
+        if not isinstance(model, ShardableModel) or self.layout.size == 0:
+            # ZeRO-2's parameters: the model keeps its vector. (A pipeline stage of
+            # activations only has nothing to gather; every rank of its data group
+            # holds the same stage, so all of them skip the gathers alike.)
+            return
         self._units = unit_ranges(self.layout)
         self._shard_store = self.xp.empty(len(self.shard), dtype=self.dtype)
         self.gather_comm = self.dp.dup(f"{self.dp.name} (parameter gathers)")
@@ -309,12 +313,7 @@ class ZeRO3Core(ZeRO2Core):
         digest = hashlib.blake2b(digest_size=16)
         for _, values in self.gather.each_bucket():
             digest.update(to_numpy(values).tobytes())
-        every = self.dp.allgather((digest.hexdigest(), self.step_count))
-        if len(set(every)) > 1:
-            odd = [r for r, d in enumerate(every) if d != every[0]]
-            raise CommunicationError(
-                f"ranks out of sync: data-parallel rank(s) {odd} differ from rank 0 "
-                f"(gathered parameter hash, step) = {every[0]}")
+        self._compare_digests(digest.hexdigest(), "ranks", "gathered parameter hash")
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: ``parameters`` (its shard), ``gathered`` (the
