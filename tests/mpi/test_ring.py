@@ -17,9 +17,11 @@ from mpishard import ShardingConfiguration
 from mpishard.comm import FlatComm
 from mpishard.comm.hierarchical import choose
 from mpishard.comm.ring import RING_MIN_ELEMENTS, RingComm
+from mpishard.comm.timing import agree_on_fastest
 from mpishard.flat import shard_ranges
 from mpishard.nn import MLP
 from mpishard.optim import SGD
+from mpishard.parallel.zero2 import REDUCE_METHODS
 from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer
 
 pytestmark = pytest.mark.mpi
@@ -172,3 +174,16 @@ def test_zero2_uses_the_ring_only_as_its_reduce_method():
     if MPI.COMM_WORLD.size > 1:
         assert record["ring"] > 0 and record["flat"] > 0, record
     assert isinstance(ddp.reducer, RingComm) == (record["choice"] == "ring"), record
+
+
+def test_agree_on_fastest_never_chooses_a_way_nobody_measured(group):
+    # ZeRO-2's agreed reduce_method: a job whose buckets (or device arrays) never
+    # measured the ring must not take it for its 0.
+    assert agree_on_fastest(group, {"reduce_scatter": 2.0, "allreduce": 3.0},
+                            REDUCE_METHODS, "reduce_scatter") == "reduce_scatter"
+    assert agree_on_fastest(group, {}, REDUCE_METHODS, "allreduce") == "allreduce"
+    # Only rank 0 measured the ring: it is a candidate, timed by rank 0.
+    times = {"reduce_scatter": 2.0, "allreduce": 3.0}
+    if group.rank == 0:
+        times["ring"] = 1.0
+    assert agree_on_fastest(group, times, REDUCE_METHODS, "reduce_scatter") == "ring"
