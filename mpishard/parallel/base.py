@@ -550,6 +550,11 @@ class DataParallelOptimizer:
         this rank updates from, and the array to write it into."""
         raise NotImplementedError
 
+    def _repro_shards(self) -> list[Range] | None:
+        """Every data-parallel rank's range of the reduced gradient, where each
+        rank updates from its own part only; None where each holds all of it."""
+        return None
+
     def _memory(self) -> dict[str, int]:
         raise NotImplementedError
 

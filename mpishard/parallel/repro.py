@@ -4,42 +4,52 @@ With ``ShardingConfiguration(reproducible=True)`` a data-parallel strategy hands
 its ``backward`` and the reductions of its ``step`` to :class:`ReproducibleStep`:
 
 - **Units.** The global batch of ``B`` rows is cut into units of ``R`` rows
-  (``config.unit_rows``; by default ``B // gcd(B, 24)``; a dataset's short last
-  batch of an epoch, with ``drop_last=False``, into units of one row). ``backward`` cuts the
-  rows it is given at unit boundaries and runs one forward/backward per unit on
-  a fixed buffer of exactly ``R`` rows, so a unit's gradient, computed with the
-  same shapes and the same code, has the same bits on whatever rank computes it.
-  A pipelined model (:class:`~mpishard.parallel.HybridShardedModel`) runs one
+  (:func:`unit_rows_for`; a dataset's short last batch of an epoch, with
+  ``drop_last=False``, into units of one row). ``backward`` cuts the rows it is
+  given at unit boundaries and runs one forward/backward per unit on a fixed
+  buffer of exactly ``R`` rows, so a unit's gradient, computed with the same
+  shapes and the same code, has the same bits on whatever rank computes it. A
+  pipelined model (:class:`~mpishard.parallel.HybridShardedModel`) runs one
   pass of its schedule per unit; every schedule runs the backward of micro-batch
   0, 1, ... in that order, so GPipe and 1F1B accumulate alike.
-- **Sums.** Each unit's gradient and its loss (``R`` times its mean) are
-  deposited into binned accumulators (:mod:`mpishard.reprosum`): integer sums,
-  so neither the order of the units on a rank, nor how many ranks share them,
-  nor the MPI algorithm changes a bit. At ``step()``: ``Allreduce(MAX)`` of the
-  chunk bins over ``groups.dp``, then the words are summed over it (DDP:
-  ``Allreduce``; ZeRO-2: ``Reduce_scatter`` to the shards or ``Allreduce``) and
-  converted back to the gradient's dtype. The loss, and for clipping the global
-  sum of squares (over each rank's share: any partition gives the same bits),
-  ride as words in the step's one float64 ``Allreduce``, after a tiny
-  ``Allreduce(MAX)`` of their bins over the step group. Row counts and flags are
-  small integers: exact anyway.
+- **Sums.** The step's gradient is the binned sum (:mod:`mpishard.reprosum`) of
+  the units' gradients: integer arithmetic, so neither the order of the units,
+  nor how many ranks share them, nor the MPI algorithm changes a bit. Two ways
+  to the same bits, chosen per step by the most units a rank holds (one small
+  ``Allreduce(MAX)`` over ``groups.dp``):
+
+  * **few units a rank** (at most :data:`HELD_UNITS`; one unit per rank is the
+    usual case): each rank keeps its units' gradients as floats, an
+    ``Alltoallv`` over ``groups.dp`` gives each rank every unit's piece of the
+    range it converts (its ZeRO-2 shard; for DDP an equal part, then an
+    ``Allgatherv``), and :func:`mpishard.kernels.deposit.exact_sum` sums them
+    there in one pass that never writes a word to memory. The bytes on the wire
+    are the default mode's (reduce-scatter and allgather of the gradient) times
+    the units a rank holds.
+  * **many units a rank**: each unit is deposited as it is computed into
+    ``K`` float64 words per element (:func:`mpishard.kernels.deposit.deposit`);
+    at ``step()``: ``Allreduce(MAX)`` of the chunk bins over ``groups.dp``, the
+    words summed over it (DDP: ``Allreduce``; ZeRO-2: ``Reduce_scatter`` or
+    ``Allreduce``) and converted back.
+
+  The loss, and for clipping the global sum of squares (over each rank's
+  share: any partition gives the same bits), ride as words in the step's one
+  float64 ``Allreduce``, after a tiny ``Allreduce(MAX)`` of their bins over the
+  step group. Row counts and flags are small integers: exact anyway.
 
 What holds: parameters, optimizer state and losses are bitwise equal for every
 data-parallel size that divides the unit count, DDP or ZeRO-2 (both reduce
 methods), any gradient accumulation on unit boundaries, with or without
-clipping, pipeline sizes and schedules at one tensor-parallel size, and across
-a checkpoint restart or resize (state is stored exactly). Tensor-parallel sizes
-change how a layer's matrix products are cut, hence the bits.
+clipping, pipeline sizes and schedules at one tensor-parallel size, and
+across a checkpoint restart or resize (state is stored exactly). Tensor-parallel sizes change how a layer's matrix products are
+cut, hence the bits.
 
-Costs: one forward/backward per unit instead of per micro-batch; a deposit per
-unit (about ten passes over the gradient in float64); ``K`` float64 words per
-element on every rank (16 bytes for float32, 24 for float64, ZeRO-2 included:
-every unit deposits its whole gradient, so a rank cannot keep only its shard's
-words without reducing after every unit) and their reduction instead of the
-gradient's; no overlap of reduction and backward. Both the deposit and a unit's
-weight-gradient write cost the same for any rows, so the overhead is about
-units per rank times parameters: fewer, larger units (``unit_rows``) cost less.
-``scripts/bench_reproducible.py`` measures them.
+Costs: one forward/backward per unit (a unit's weight-gradient product writes
+the whole gradient, whatever its rows); with few units a rank, a copy of each
+unit's gradient but the last, and a pass of :func:`exact_sum` over the
+received pieces; with many, a deposit per unit and ``K`` words per element.
+The fewer units a rank computes, the closer to the default step:
+``scripts/bench_reproducible.py`` measures it.
 """
 
 from __future__ import annotations
@@ -51,6 +61,8 @@ from typing import Any
 import numpy as np
 
 from ..backend import array_namespace
+from ..flat import Range, shard_ranges
+from ..kernels import deposit as kernels
 from ..reprosum import (
     CHUNK,
     EMPTY_BIN,
@@ -58,16 +70,22 @@ from ..reprosum import (
     NORM_WORDS,
     WORD_BITS,
     BinnedAccumulator,
+    ChunkGrid,
     bin_of,
-    fixed_bin_sum,
     words_to_float,
 )
 
-__all__ = ["DEFAULT_UNITS", "ReproducibleStep", "WordShards", "unit_rows_for"]
+__all__ = ["DEFAULT_UNITS", "HELD_UNITS", "ReproducibleStep", "WordShards", "unit_rows_for"]
 
 #: The default number of units in a global batch is ``gcd(B, DEFAULT_UNITS)``:
 #: 24 has the divisors 1, 2, 3, 4, 6, 8, 12, 24.
 DEFAULT_UNITS = 24
+
+#: The most units' gradients a rank keeps as floats (per float item size): up to
+#: this many take the float path (they are no more bytes than ``K`` words: 4
+#: float32 or 3 float64 gradients); a step in which any rank holds more takes the
+#: words path.
+HELD_UNITS = {4: 4, 8: 3}
 
 # Where the words sit in the step buffer, after the flags: the loss, then the squares.
 _LOSS_WORDS = 3     # the loss is a float64: K = 3
@@ -118,6 +136,59 @@ class WordShards:
         return int(self.recv.nbytes)
 
 
+class _FloatExchange:
+    """The float path's plan over ``groups.dp`` (made on first need).
+
+    Rank ``j`` converts the *target* range ``targets[j]`` (its ZeRO-2 shard; for
+    DDP an equal part on chunk boundaries, then gathered) and receives, from
+    every rank and for every unit it holds, the values of the chunks that cover
+    that range, ``spans[j]``: a chunk's bin is set by its largest magnitude over
+    the whole chunk. ZeRO-2 shards do not respect chunks, so neighbouring spans
+    may share a chunk, which both receive (sent pieces may overlap).
+    """
+
+    def __init__(self, segments: list[tuple[int, int]], targets: list[Range], rank: int,
+                 dtype: Any, xp: Any, replicated: bool) -> None:
+        grid = ChunkGrid([b - a for a, b in segments])
+        self.targets = targets
+        #: Each rank holds the whole gradient (DDP): the parts are gathered after.
+        self.replicated = replicated
+        self.spans = [Range(grid.floor(t.start), grid.ceil(t.stop)) if len(t)
+                      else Range(t.start, t.start) for t in targets]
+        self.rank = rank
+        lo, hi = self.spans[rank]
+        # The chunks of this rank's span: the tensors' pieces in it (the span starts
+        # on a chunk boundary, so their chunks are the whole vector's).
+        self.grid = ChunkGrid([min(b, hi) - max(a, lo) for a, b in segments
+                               if min(b, hi) > max(a, lo)])
+        self.send_counts = [len(sp) for sp in self.spans]
+        self.send_displs = [sp.start for sp in self.spans]
+        self.xp = xp
+        self.dtype = np.dtype(dtype)
+        self._recv: Any = None          # received rows, grown on need
+
+    def rows(self, cap: int) -> Any:
+        """The receive buffer as ``(ranks * cap, span)`` rows: row ``j * cap + u``
+        holds rank ``j``'s unit ``u``."""
+        span = len(self.spans[self.rank])
+        size = cap * len(self.spans) * span
+        if self._recv is None or self._recv.size < size:
+            self._recv = self.xp.zeros(max(size, 1), dtype=self.dtype)
+        return self._recv[:size].reshape(len(self.spans) * cap, span)
+
+    def send(self, dp: Any, vector: Any, rows: Any, unit: int, cap: int) -> None:
+        """Send unit ``unit`` of this rank (``vector``, the whole gradient) to the
+        ranks whose spans it covers, into their row ``rank * cap + unit``.
+        Collective over ``dp``."""
+        span = rows.shape[1]
+        displs = [(j * cap + unit) * span for j in range(len(self.spans))]
+        dp.Alltoallv(vector, self.send_counts, rows.reshape(-1), [span] * len(self.spans),
+                     slot="repro-units", senddispls=self.send_displs, recvdispls=displs)
+
+    def nbytes(self) -> int:
+        return int(self._recv.nbytes) if self._recv is not None else 0
+
+
 class ReproducibleStep:
     """The reproducible path of one data-parallel strategy (made at attach).
 
@@ -132,33 +203,49 @@ class ReproducibleStep:
         self.strategy = strategy
         model = strategy.model
         self.xp = strategy.xp
+        self.size = model.params.size
+        self.dtype = model.params.dtype
         # Chunks restart at every tensor: a tensor's bits do not depend on its offset
         # (a pipeline stage holds the whole model's tensors at other offsets).
-        segments = [spec.size for spec in sorted(model.layout, key=lambda t: t.offset)]
-        if sum(segments) != model.params.size:
-            segments = None
-        self.grads = BinnedAccumulator(model.params.size, model.params.dtype, self.xp,
-                                       segments=segments)
+        specs = sorted(model.layout, key=lambda t: t.offset)
+        self.segments = [(t.offset, t.offset + t.size) for t in specs if t.size]
+        if sum(b - a for a, b in self.segments) != self.size:
+            self.segments = [(0, self.size)] if self.size else []
+        self.held_max = HELD_UNITS[self.dtype.itemsize]
         self.loss = BinnedAccumulator(1, np.float64, np)
         self._loss_in = np.zeros(1)
-        self._global_bins = self.xp.empty_like(self.grads.bins)
         self._small_bins = np.zeros(2, dtype=np.int64)   # loss, squares: MAX over the step group
         self._units: dict[tuple, tuple[Any, Any]] = {}
         self._norm_scratch = self.xp.empty(CHUNK * 64, dtype=np.float64)
         self._norm_slices = self.xp.empty(CHUNK * 64, dtype=np.float64)
+        # This step's units on this rank: ``_count`` of them. The last one is still
+        # where the model wrote it (``_pending``), the ones before it in the first
+        # ``_n_held`` rows of ``_held``; whenever the rows are full they are
+        # deposited into the words (``_in_words``: the step takes the words path).
+        self._count = 0
+        self._n_held = 0
+        self._pending = False
+        self._in_words = False
+        self._held: Any = None              # (held_max, size), on first need
+        self._words: BinnedAccumulator | None = None      # on first need
+        self._global_bins: Any = None
+        self._exchange: _FloatExchange | None = None
+        self._dp_to_step: list[int] | None = None     # flags: data-parallel -> step rank
+        self._bad_rank: int | None = None     # a rank whose unit was not finite (float path)
+        self._deposit_seconds = 0.0
 
-    # --- backward: one forward/backward and one deposit per unit ------------------
+    # --- backward: one forward/backward per unit ----------------------------------
     def backward(self, x: Any, y: Any, batch_start: int | None,
                  global_rows: int | None) -> float:
         """Run the units of rows ``[batch_start, batch_start + len(x))``; returns
         their local mean loss. Collective over ``groups.dp`` (one agreement)."""
         s = self.strategy
-        model, dp, micro = s.model, s.dp, s._pending_micro
+        model, dp = s.model, s.dp
         rows = len(x)
         if batch_start is None:
             # As the default mode assumes: every rank and micro-batch has len(x) rows.
             per_rank = rows * s.accumulation_steps
-            batch_start = dp.rank * per_rank + micro * rows
+            batch_start = dp.rank * per_rank + s._pending_micro * rows
             global_rows = per_rank * dp.size
         r = unit_rows_for(global_rows, s.config.unit_rows)
         if _short_last_batch(s, global_rows):
@@ -176,25 +263,20 @@ class ReproducibleStep:
                        f"dividing {global_rows // r}, or set unit_rows)")
         dp.agree(problem, ValueError)
         t0 = time.perf_counter()
-        deposit = 0.0
+        self._deposit_seconds = 0.0
         total = 0.0
         if rows:
             xb, yb = self._unit_buffers(x, y, r)
             for u in range(rows // r):
+                self._make_room()
                 xb[...] = x[u * r:(u + 1) * r]
                 yb[...] = y[u * r:(u + 1) * r]
                 if s._batch_context:
                     model.set_batch_context(s.step_count, batch_start + u * r, global_rows)
                 loss = s._forward_backward(model, xb, yb, False, r)
-                t1 = time.perf_counter()
-                self._loss_in[0] = r * loss
-                ok = math.isfinite(loss) and self.grads.deposit(s._repro_source())
-                if ok:
-                    self.loss.deposit(self._loss_in)
-                else:
-                    s._local_bad = True
+                self._add_unit(loss, r)
                 total += r * loss
-                deposit += time.perf_counter() - t1
+        deposit = self._deposit_seconds
         s.timings["forward_backward"] += time.perf_counter() - t0 - deposit
         s.timings["deposit"] = s.timings.get("deposit", 0.0) + deposit
         s._pending_micro += 1
@@ -212,13 +294,87 @@ class ReproducibleStep:
             self._units[key] = bufs
         return bufs
 
+    def _make_room(self) -> None:
+        """Before a unit's backward overwrites the model's gradient: move the pending
+        unit into a row (after depositing the rows into the words, when full)."""
+        if not self._pending:
+            return
+        t1 = time.perf_counter()
+        if self._n_held == self.held_max:
+            self._flush()
+        self._held_rows()[self._n_held][...] = self.strategy._repro_source().reshape(-1)
+        self._n_held += 1
+        self._pending = False
+        self._deposit_seconds += time.perf_counter() - t1
+
+    def _add_unit(self, loss: float, r: int) -> None:
+        """Unit ``count`` was computed (its gradient in the model's): count it, and
+        its loss (``r`` times its mean)."""
+        t1 = time.perf_counter()
+        self._count += 1
+        self._pending = True
+        if math.isfinite(loss):
+            self._loss_in[0] = r * loss
+            self.loss.deposit(self._loss_in)
+        else:
+            self.strategy._local_bad = True
+        self._deposit_seconds += time.perf_counter() - t1
+
+    def _held_rows(self) -> Any:
+        if self._held is None:
+            self._held = self.xp.zeros((self.held_max, self.size), dtype=self.dtype)
+            s = self.strategy
+            s._peak_bytes = max(s._peak_bytes, s._current_bytes() + self.nbytes())
+        return self._held
+
+    def _word_acc(self) -> BinnedAccumulator:
+        if self._words is None:
+            self._words = BinnedAccumulator(self.size, self.dtype, self.xp,
+                                            segments=[b - a for a, b in self.segments]
+                                            if self.segments else None)
+            self._global_bins = self.xp.empty_like(self._words.bins)
+            s = self.strategy
+            s._peak_bytes = max(s._peak_bytes, s._current_bytes() + self.nbytes())
+        return self._words
+
+    def _flush(self) -> None:
+        """Deposit the held rows into the words, in one pass over them."""
+        if self._n_held and kernels.deposit_rows(self._word_acc(),
+                                                 self._held[:self._n_held]) >= 0:
+            self.strategy._local_bad = True
+        self._n_held = 0
+        self._in_words = True
+
     # --- step: the gradient --------------------------------------------------------
     def reduce(self) -> float:
-        """Sum the deposited gradients over ``groups.dp`` and convert them where the
-        strategy updates from; returns the seconds of the conversion (counted in
-        ``timings["deposit"]``; the caller counts the rest as communication).
-        Collective over ``groups.dp``."""
-        s, acc = self.strategy, self.grads
+        """Sum this step's units over ``groups.dp`` into where the strategy updates
+        from; returns the seconds not spent communicating (recorded as
+        ``timings["deposit"]`` and ``timings["conversion"]``). Collective over
+        ``groups.dp``."""
+        s = self.strategy
+        dp = s.dp
+        t0 = time.perf_counter()
+        if dp.size > 1 and self._dp_to_step is None:
+            self._dp_to_step = dp.allgather(s._stepper.rank)
+        mine = self.held_max + 1 if self._in_words else self._count
+        cap = dp.allreduce(mine, op="max") if dp.size > 1 else mine
+        t1 = time.perf_counter()
+        local = self._reduce_words() if cap > self.held_max else self._reduce_floats(cap)
+        self._count = 0
+        self._n_held = 0
+        self._pending = False
+        self._in_words = False
+        return local + (t1 - t0 if dp.size == 1 else 0.0)
+
+    def _reduce_words(self) -> float:
+        """The words path: deposit what is still held, agree on the bins, sum the
+        words, convert. Returns the local seconds."""
+        s = self.strategy
+        t0 = time.perf_counter()
+        self._make_room()           # the pending unit joins the rows ...
+        self._flush()               # ... which join the words
+        acc = self._word_acc()
+        deposit = time.perf_counter() - t0
         if s.dp.size > 1:
             self._global_bins[...] = acc.bins
             s.dp.Allreduce(self._global_bins, slot="repro-bins", op="max")
@@ -226,17 +382,87 @@ class ReproducibleStep:
             s._reduce_words(acc)
         t1 = time.perf_counter()
         out, start, stop = s._repro_target()
-        acc.to_float(out, start, stop)
+        kernels.to_float(acc, out, start, stop)
         acc.clear()
-        seconds = time.perf_counter() - t1
-        s.timings["deposit"] = s.timings.get("deposit", 0.0) + seconds
-        return seconds
+        convert = time.perf_counter() - t1
+        self._record(deposit, convert)
+        return deposit + convert
+
+    def _reduce_floats(self, cap: int) -> float:
+        """The float path: every unit's piece to the rank that converts it, summed
+        there in one pass (DDP: then gathered). Returns the local seconds."""
+        s = self.strategy
+        dp = s.dp
+        ex = self._exchange_plan()
+        out, start, stop = s._repro_target()
+        source = s._repro_source().reshape(-1)
+        deposit = 0.0
+        if dp.size == 1:
+            if self._n_held == 0:       # the one unit where it was computed, or none
+                rows = source.reshape(1, -1)[:1 if self._pending else 0]
+            else:
+                t0 = time.perf_counter()
+                self._make_room()
+                deposit = time.perf_counter() - t0
+                rows = self._held[:self._n_held]
+        else:
+            rows = ex.rows(cap)
+            for u in range(cap):
+                if u < self._n_held:
+                    vector = self._held[u]
+                elif u == self._n_held and self._pending:
+                    vector = source
+                elif u == self._n_held:
+                    vector = source             # this rank has no unit u: zeros
+                    vector.fill(0)
+                else:
+                    vector = self._held_rows()[u]
+                    vector.fill(0)
+                ex.send(dp, vector, rows, u, cap)
+        t1 = time.perf_counter()
+        target, span = ex.targets[dp.rank], ex.spans[dp.rank]
+        piece = out[target.start - start:target.stop - start]
+        bad = kernels.exact_sum(ex.grid, rows, piece, target.start - span.start,
+                                target.stop - span.start)
+        if bad >= 0:
+            self._bad_rank = bad // cap if dp.size > 1 else dp.rank
+        convert = time.perf_counter() - t1
+        if ex.replicated and dp.size > 1:
+            dp.Allgatherv(out, [len(t) for t in ex.targets], slot="repro-gather")
+        self._record(deposit, convert)
+        return deposit + convert
+
+    def _record(self, deposit: float, convert: float) -> None:
+        timings = self.strategy.timings
+        timings["deposit"] = timings.get("deposit", 0.0) + deposit
+        timings["conversion"] = timings.get("conversion", 0.0) + convert
+
+    def _exchange_plan(self) -> _FloatExchange:
+        if self._exchange is None:
+            s = self.strategy
+            targets = s._repro_shards()
+            replicated = targets is None
+            if replicated:
+                grid = ChunkGrid([b - a for a, b in self.segments])
+                cuts = [grid.floor(r.start) for r in shard_ranges(self.size, s.dp.size)]
+                targets = [Range(a, b) for a, b in zip(cuts, cuts[1:] + [self.size])]
+            self._exchange = _FloatExchange(self.segments, list(targets), s.dp.rank,
+                                            self.dtype, self.xp, replicated)
+            s._peak_bytes = max(s._peak_bytes, s._current_bytes() + self.nbytes())
+        return self._exchange
 
     # --- step: the totals (loss, sum of squares) -------------------------------------
     def fill_totals(self, buf: Any, base: int, clipping: bool) -> None:
         """Agree on the loss's and the squares' bins over the step group and write
-        this rank's words at ``buf[base:]``. Collective over the step group."""
+        this rank's words at ``buf[base:]`` (and the flag of a rank whose unit
+        gradient was not finite, found where it was summed). Collective over the
+        step group."""
         s = self.strategy
+        if self._bad_rank is not None:
+            step_rank = self._dp_to_step[self._bad_rank] if self._dp_to_step else \
+                s._stepper.rank
+            buf[base - s._stepper.size + step_rank] = 1.0
+            self._bad_rank = None
         bins = self._small_bins
         bins[0] = self.loss.bins[0] if s._counts_rows else EMPTY_BIN
         bins[1] = EMPTY_BIN
@@ -244,10 +470,12 @@ class ReproducibleStep:
         if clipping:
             vector = s._norm_vector()
             pieces = [vector[r.start:r.stop] for r in s._norm_ranges]
-            top = 0.0
-            for p in pieces:
-                top = max(top, float(p.max()), -float(p.min()))
-            bins[1] = bin_of(top * top, NORM_WORD_BITS)
+            top = max((kernels.max_magnitude(p) for p in pieces), default=0.0)
+            if math.isfinite(top * top):
+                bins[1] = bin_of(top * top, NORM_WORD_BITS)
+            else:       # flagged: the step is refused; its squares do not matter
+                buf[base - s._stepper.size + s._stepper.rank] = 1.0
+                pieces = []
         s._stepper.Allreduce(bins, slot="repro-small", op="max")
         if s._counts_rows:
             self.loss.realign(bins[:1].copy())
@@ -256,8 +484,8 @@ class ReproducibleStep:
         if clipping:
             words = [0.0] * NORM_WORDS
             for p in pieces:
-                for k, w in enumerate(fixed_bin_sum(p, int(bins[1]), self._norm_scratch,
-                                                    self._norm_slices, square=True)):
+                for k, w in enumerate(kernels.square_words(p, int(bins[1]), self._norm_scratch,
+                                                           self._norm_slices)):
                     words[k] += w
             buf[base + _LOSS_WORDS:base + self.extra] = words
 
@@ -271,5 +499,8 @@ class ReproducibleStep:
 
     def nbytes(self) -> int:
         shards = getattr(self.strategy, "_repro_words", None)
-        return (self.grads.nbytes() + (shards.nbytes() if shards is not None else 0)
+        held = int(self._held.nbytes) if self._held is not None else 0
+        words = self._words.nbytes() if self._words is not None else 0
+        exchange = self._exchange.nbytes() if self._exchange is not None else 0
+        return (held + words + exchange + (shards.nbytes() if shards is not None else 0)
                 + sum(int(a.nbytes) + int(b.nbytes) for a, b in self._units.values()))

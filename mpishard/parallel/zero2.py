@@ -198,6 +198,9 @@ class ZeRO2Optimizer(DataParallelOptimizer):
     def _repro_target(self) -> tuple[Any, int, int]:
         return self.shard_grad, self.shard.start, self.shard.stop
 
+    def _repro_shards(self) -> list[Range]:
+        return self.shards
+
     # --- norm, update and gather -----------------------------------------------
     def _norm_pieces(self, owned: list[Range]) -> list[Range]:
         # Shards partition the vector: each element is counted exactly once.
