@@ -15,6 +15,9 @@ __all__ = [
     "CheckpointError",
     "CheckpointWarning",
     "CommunicationError",
+    "DataPositionWarning",
+    "HandOver",
+    "InexactRecoveryWarning",
     "MpiShardError",
     "NonFiniteError",
     "ParamLayout",
@@ -28,9 +31,10 @@ __all__ = [
 
 _WHERE = {
     "CheckpointError": "errors", "CommunicationError": "errors", "MpiShardError": "errors",
-    "NonFiniteError": "errors", "CheckpointWarning": "errors",
+    "NonFiniteError": "errors", "CheckpointWarning": "errors", "HandOver": "errors",
+    "DataPositionWarning": "errors", "InexactRecoveryWarning": "errors",
     "TopologyError": "errors", "ParamLayout": "flat", "Range": "flat",
-    "ProcessGroups": "groups", "ShardingConfiguration": "config", "Topology": "topology",
+    "ProcessGroups": "comm.groups", "ShardingConfiguration": "config", "Topology": "topology",
 }
 
 

@@ -11,6 +11,7 @@ import numpy as np
 __all__ = [
     "array_namespace",
     "cupy_available",
+    "gpu_for_rank",
     "is_device_array",
     "synchronize",
     "to_numpy",
@@ -72,3 +73,29 @@ def cupy_available() -> bool:
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # ImportError, CUDARuntimeError: no usable GPU
         return False
+
+
+def gpu_for_rank(local_rank: int, visible: int, index: int | None = None,
+                 cuda_visible: str | None = None) -> tuple[int, str]:
+    """``(device, why)``: which of the ``visible`` CUDA devices a rank uses. Pure.
+
+    ``index`` (``--gpu-index``) wins; otherwise the rank takes ``local_rank %
+    visible``, its rank among the ranks of its node modulo the devices it sees.
+    ``cuda_visible`` (the process's ``CUDA_VISIBLE_DEVICES``) only names the
+    rule in ``why``: it has already narrowed what ``visible`` counts (a Slurm
+    job with ``--gpus-per-task=1`` shows each task its own device, so every
+    rank takes its device 0).
+
+    Raises:
+        ValueError: no device visible, or an ``index`` outside ``[0, visible)``.
+    """
+    shown = "" if cuda_visible is None else f" (CUDA_VISIBLE_DEVICES={cuda_visible})"
+    if visible < 1:
+        raise ValueError(f"no CUDA device is visible to this rank{shown}")
+    if index is not None:
+        if not 0 <= index < visible:
+            raise ValueError(f"--gpu-index {index} is not a device of this rank: it sees "
+                             f"{visible} device(s){shown}, numbered 0 to {visible - 1}")
+        return index, f"--gpu-index {index}"
+    device = local_rank % visible
+    return device, f"local rank {local_rank} % {visible} visible device(s){shown}"

@@ -9,6 +9,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .errors import UsageError
+
 __all__ = ["environment_info", "main"]
 
 
@@ -56,21 +58,29 @@ def environment_info() -> dict[str, object]:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .comm import from_comm, node_map, world_rank  # initialises MPI: see environment_info
+    from .comm import from_comm, gpu_map, node_map, world_rank  # initialises MPI
 
     info = environment_info()
-    # The node map: collective over the job (every rank runs `mpishard info`).
+    # The node map and the GPU of each rank: collective over the job (every rank
+    # runs `mpishard info`).
     world = from_comm(None, "world")
     nodes = node_map(world)
+    gpus = gpu_map(world)
     if world_rank() != 0:
         return 0
     if args.json:
-        print(json.dumps({**info, "node_map": nodes.as_dict()}))
+        print(json.dumps({**info, "node_map": nodes.as_dict(), "gpu_map": gpus}))
         return 0
     info["nodes"] = nodes.describe()
+    if isinstance(gpus, str):
+        info["gpu_map"] = f"none: {gpus}"
     width = max(len(k) for k in info)
     for key, value in info.items():
         print(f"{key:<{width}}  {value}")
+    if not isinstance(gpus, str):
+        print(f"{'gpu_map':<{width}}  --device cuda uses, by rank:")
+        for line in gpus:
+            print(f"{'':<{width}}    {line}")
     return 0
 
 
@@ -92,10 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_run_parser(sub)
     return parser
-
-
-class UsageError(Exception):
-    """A problem with the command line: one line on rank 0, exit code 2."""
 
 
 def _ckpt_inspect(args: argparse.Namespace) -> int:

@@ -60,7 +60,7 @@ class ShardingConfiguration:
             started with ``mpirun --with-ft ulfm``, the groups return errors
             (``mpi4py.MPI.Exception``) when a rank dies instead of ending the job,
             so the survivors can go on in place
-            (:func:`mpishard.parallel.recovery.recover_in_place`); ``"ulfm"``:
+            (:func:`mpishard.recovery.recover_in_place`); ``"ulfm"``:
             the same, and an error where ULFM is not available; ``"off"``.
         evict_stuck: with ULFM on, a call past ``timeout`` SIGKILLs the ranks of
             its group on this host that did not arrive (stopped, looping,

@@ -1,4 +1,8 @@
-"""Exception classes (the collective agreement on them is ``FlatComm.agree``)."""
+"""Every exception and warning class mpishard raises or issues on purpose.
+
+The collective agreement on an error (every rank raises the same one) is
+``FlatComm.agree``; the rules are on the docs site's errors page.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,13 @@ __all__ = [
     "CheckpointError",
     "CheckpointWarning",
     "CommunicationError",
+    "DataPositionWarning",
+    "HandOver",
+    "InexactRecoveryWarning",
     "MpiShardError",
     "NonFiniteError",
     "TopologyError",
+    "UsageError",
 ]
 
 
@@ -24,13 +32,13 @@ class CheckpointError(MpiShardError):
     """A checkpoint that is missing, truncated, corrupt, foreign or incompatible."""
 
 
-class CheckpointWarning(UserWarning):
-    """A checkpoint loaded into a strategy whose settings (learning-rate schedule,
-    clipping, accumulation, optimizer hyperparameters) differ from the file's."""
-
-
 class CommunicationError(MpiShardError, RuntimeError):
     """A collective that failed or did not finish in time."""
+
+
+class UsageError(MpiShardError, ValueError):
+    """A problem with the command line or a configuration file of ``mpishard``:
+    one line on rank 0, exit code 2."""
 
 
 class NonFiniteError(MpiShardError, FloatingPointError):
@@ -50,3 +58,42 @@ class NonFiniteError(MpiShardError, FloatingPointError):
         self.step = step
         self.rank = rank
         self.world_rank = world_rank
+
+
+class HandOver(MpiShardError):
+    """Training cannot go on in this process after a lost rank: it hands over to a
+    relaunch (``mpishard run``, a requeued batch job) or simply leaves.
+
+    Raised on every survivor, with the same message; the training loop catches
+    it, has ``speaker`` say the message once, and ends the process with
+    ``exit_code`` (see :mod:`mpishard.recovery.handover`).
+
+    Attributes:
+        exit_code: what the process ends with: 75 (``EXIT_STOPPED``: relaunch me
+            from the newest checkpoint) or 0 (a dropped replica's rank whose work
+            goes on elsewhere).
+        speaker: True on the one rank that writes the message.
+        stopped: why the run stopped, as the metrics' ``end`` record says it.
+    """
+
+    def __init__(self, message: str, *, exit_code: int, speaker: bool,
+                 stopped: str = "hand-over") -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.speaker = speaker
+        self.stopped = stopped
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint loaded into a strategy whose settings (learning-rate schedule,
+    clipping, accumulation, optimizer hyperparameters) differ from the file's."""
+
+
+class DataPositionWarning(UserWarning):
+    """An ``optimize()`` argument differs from the data position it continues;
+    the message says what is used."""
+
+
+class InexactRecoveryWarning(UserWarning):
+    """A recovery that could not keep the run exact where it was (ZeRO-2 without
+    the lost shard: rolled back to the newest checkpoint)."""

@@ -1,5 +1,10 @@
-"""``ProcessGroups`` (kept here for imports; it lives in :mod:`mpishard.comm.groups`)."""
+"""Deprecated: ``ProcessGroups`` lives in :mod:`mpishard.comm` (``mpishard.comm.groups``)."""
 
-from .comm.groups import ProcessGroups
+from ._deprecated import forward_names
+from .comm import groups as _groups
 
-__all__ = ["ProcessGroups"]
+# Nothing is defined here: the names are read from their new homes, with a warning.
+__all__: list[str] = []
+
+
+__getattr__ = forward_names(__name__, {"ProcessGroups": (_groups, "ProcessGroups")})

@@ -29,8 +29,10 @@ __all__ = [
     "CollectiveDataset",
     "Dataset",
     "DescribedModel",
+    "HasCore",
     "Model",
     "Optimizer",
+    "StrategyCore",
 ]
 
 
@@ -161,7 +163,7 @@ class Dataset(Protocol):
     collective (each rank reads its own rows). The training loop makes the buffers
     once and gathers into them every step. :class:`~mpishard.data.ArrayDataset`
     (in-memory arrays), :class:`~mpishard.data.StreamingDataset` (one that
-    grows) and :class:`~mpishard.hdf5data.HDF5Dataset` (an HDF5 file, or an
+    grows) and :class:`~mpishard.data.HDF5Dataset` (an HDF5 file, or an
     h5py dataset pair) meet it; an ``(x, y)`` pair of arrays is wrapped in an
     ``ArrayDataset``.
     """
@@ -194,3 +196,48 @@ class CollectiveDataset(Protocol):
     def buffers(self, rows: int, xp: Any, float_dtype: Any = None) -> tuple[Any, Any]: ...
 
     def gather_batch(self, batch: Any, x_out: Any, y_out: Any) -> None: ...
+
+
+@runtime_checkable
+class StrategyCore(Protocol):
+    """A parallel strategy core (:mod:`mpishard.parallel`): what the training loop,
+    checkpoints and recovery use of it.
+
+    ``config`` is its :class:`~mpishard.ShardingConfiguration` and ``dp`` the
+    data-parallel group's communicator; ``model`` the attached model (None
+    before :meth:`attach`); ``step_count``, ``skipped_steps`` and
+    ``data_position`` are saved and restored with checkpoints;
+    ``optimizer_state_shard()`` gives the world range of the optimizer state
+    this rank holds and the state by name; ``rebuild(config)`` sets the core up
+    again over new groups keeping its options.
+    """
+
+    strategy: str
+    config: Any
+    dp: Any
+    model: Any
+    optimizer: Any
+    accumulation_steps: int
+    step_count: int
+    skipped_steps: int
+    data_position: dict[str, int] | None
+
+    def attach(self, model: Any) -> None: ...
+
+    def backward(self, x: Any, y: Any, *, batch_start: int | None = None,
+                 global_rows: int | None = None) -> float: ...
+
+    def step(self) -> float: ...
+
+    def current_lr(self) -> float: ...
+
+    def optimizer_state_shard(self) -> tuple[Range, dict[str, Any]]: ...
+
+    def rebuild(self, config: Any) -> None: ...
+
+
+@runtime_checkable
+class HasCore(Protocol):
+    """A public strategy (:mod:`mpishard.strategies`): it trains through ``core``."""
+
+    core: StrategyCore

@@ -2,7 +2,9 @@
 # Install everything (scripts/setup.sh), check the imports and style, and run the
 # whole test suite:
 #   0. lint-imports (the layer contracts of pyproject.toml: no upward import, no cycle,
-#      only mpishard.comm imports mpi4py) and ruff; a violation fails the run;
+#      only mpishard.comm imports mpi4py), ruff, and `mkdocs build --strict` (the
+#      documentation site of docs/: a broken link, a missing page or an API page
+#      that does not render fails the run);
 #   1. the tests that need no MPI world (pure arithmetic, layers, optimizers, and
 #      the tests that start their own mpirun), with plain pytest;
 #   2. the MPI tests under `mpirun -n N python -m pytest --with-mpi` for N = 1, 2, 4,
@@ -21,7 +23,14 @@ venv=${MPISHARD_VENV:-$repo/.venv}
 echo "== import contracts (lint-imports)"
 "$venv/bin/lint-imports" --no-cache
 echo "== ruff check"
-"$venv/bin/ruff" check mpishard tests scripts
+"$venv/bin/ruff" check mpishard tests scripts benchmarks
+echo "== documentation (mkdocs build --strict)"
+# Into a temporary folder, removed afterwards: the check is that it builds. (Not
+# --quiet: it silences the warnings, and then --strict has none to fail on.)
+site=$(mktemp -d)
+NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --site-dir "$site" \
+  || { rm -rf "$site"; exit 1; }
+rm -rf "$site"
 
 # The Slurm tests (tests/test_slurm.py) submit the batch scripts of slurm/ to a
 # real single-node Slurm: start one here if none answers (the first time this

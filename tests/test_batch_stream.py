@@ -253,7 +253,7 @@ def test_an_elastic_worker_resumes_its_stream_from_the_checkpoint(mpi_tmp_path):
     """ElasticOptimizer: the stream's end is a normal return (exit code 0); a
     relaunched worker (a new optimizer on the same folder) places a replayed
     stream at the checkpoint's batch count."""
-    from mpishard.train import ElasticOptimizer
+    from mpishard.strategies import ElasticOptimizer
 
     batches = snapshots()
     folder = os.path.join(str(mpi_tmp_path), "elastic-stream")

@@ -21,9 +21,9 @@ from mpishard.nn import (
     MLP,
     CausalSelfAttention,
     Embedding,
+    LayerStack,
     LMHead,
     ParallelMLP,
-    ShardedSequential,
     SoftmaxCrossEntropy,
     TensorShard,
     TransformerBlock,
@@ -31,7 +31,7 @@ from mpishard.nn import (
     owned_ranges,
     tensor_shards,
 )
-from mpishard.nn.sharding import split_range
+from mpishard.nn.shards import split_range
 from mpishard.protocols import BucketedModel
 
 EPS = 1e-6
@@ -143,7 +143,7 @@ def test_gpt_gradients(length):
 def piece_model(middle, loss=None):
     """Embedding, ``middle`` layers, head: each piece is checked inside a language model."""
     layers = [Embedding(V, T, D), *middle, LMHead(D, V)]
-    return ShardedSequential(layers, loss or SoftmaxCrossEntropy())
+    return LayerStack(layers, loss or SoftmaxCrossEntropy())
 
 
 @pytest.mark.parametrize("piece", ["embedding+head", "attention", "block", "two blocks",

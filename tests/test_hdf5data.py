@@ -14,8 +14,7 @@ import pytest
 from mpi4py import MPI
 
 from mpishard import ShardingConfiguration
-from mpishard.data import ArrayDataset, ShardedSampler
-from mpishard.hdf5data import HDF5Dataset, parse_data_spec
+from mpishard.data import ArrayDataset, HDF5Dataset, ShardedSampler, parse_data_spec
 from mpishard.nn import MLP
 from mpishard.optim import Adam
 from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mpishard.cli import main
-from mpishard.commands.plan import GPT7B, Layout, Machine, ModelSpec, predict, reduction_time
+from mpishard.costmodel import GPT7B, Layout, Machine, ModelSpec, predict, reduction_time
 
 # Round numbers: 1 GB/s across, 10 GB/s inside, no latency.
 M = Machine(ranks_per_node=4, latency_inside=0.0, bandwidth_inside=10e9, latency_across=0.0,

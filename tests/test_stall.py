@@ -37,11 +37,11 @@ from mpishard import ShardingConfiguration
 from mpishard.checkpoint import load_checkpoint, save_checkpoint
 from mpishard.nn import MLP
 from mpishard.optim import AdamW
-from mpishard.parallel import DDPOptimizer
+from mpishard.parallel import DDPCore
 
 config = ShardingConfiguration(timeout={timeout})
 model = MLP([5, 7, 3], seed=1, dtype=np.float64)
-ddp = DDPOptimizer(AdamW(lr=1e-3), config, model=model)
+ddp = DDPCore(AdamW(lr=1e-3), config, model=model)
 path = os.path.join({folder!r}, "c.h5")
 rank = MPI.COMM_WORLD.rank
 save_checkpoint(path, model, ddp, driver="mpio")     # a save that works, first

@@ -32,12 +32,12 @@ from mpi4py import MPI
 from mpishard import ShardingConfiguration
 from mpishard.nn import MLP
 from mpishard.optim import Adam
-from mpishard.parallel import DDPOptimizer
+from mpishard.parallel import DDPCore
 
 config = ShardingConfiguration(timeout={timeout})
 rank = MPI.COMM_WORLD.rank
 model = MLP([5, 7, 3], seed=1, dtype=np.float64)
-ddp = DDPOptimizer(Adam(lr=1e-3), config, model=model)
+ddp = DDPCore(Adam(lr=1e-3), config, model=model)
 rng = np.random.default_rng(0)
 x, y = rng.standard_normal((8, 5)), rng.integers(0, 3, 8)
 ddp.train_step(x, y)                       # a step that works, first

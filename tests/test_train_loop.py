@@ -19,8 +19,7 @@ import pytest
 from mpi4py import MPI
 
 from mpishard import ShardingConfiguration
-from mpishard.data import ArrayDataset, ShardedSampler, rank_rows
-from mpishard.hdf5data import HDF5Dataset
+from mpishard.data import ArrayDataset, HDF5Dataset, ShardedSampler, rank_rows
 from mpishard.nn import MLP
 from mpishard.optim import Adam
 from mpishard.protocols import Dataset

@@ -11,7 +11,7 @@ between steps or inside the backward (the survivors then wait in the gradient
 reduction), or SIGSTOPs itself there: the survivors, with ``evict_stuck``, SIGKILL
 it at the timeout. The survivors catch the failure (``mpi4py.MPI.Exception``,
 ``ERR_PROC_FAILED``/``ERR_REVOKED``) and call
-:func:`mpishard.parallel.recovery.recover_in_place`: revoke, shrink, agree on the
+:func:`mpishard.recovery.recover_in_place`: revoke, shrink, agree on the
 last completed step (:func:`mpishard.comm.ulfm.recover`), a new
 ``ShardingConfiguration`` and ``DDPOptimizer`` over the survivors carrying over
 parameters, optimizer state and step count from the survivor that completed the
@@ -48,8 +48,8 @@ from mpishard.comm import ulfm
 from mpishard.data import rank_rows
 from mpishard.nn import MLP
 from mpishard.optim import Adam
-from mpishard.parallel import DDPOptimizer
-from mpishard.parallel.recovery import recover_in_place
+from mpishard.parallel import DDPCore
+from mpishard.recovery import recover_in_place
 
 ok, why = ulfm.available()
 assert ok, why
@@ -80,16 +80,16 @@ def fresh():
 
 # --- the references: one process on the global batch; 3 ranks, then {{0, 2}} ---
 serial = fresh()
-one = DDPOptimizer(Adam(lr=1e-2), ShardingConfiguration(MPI.COMM_SELF), model=serial)
+one = DDPCore(Adam(lr=1e-2), ShardingConfiguration(MPI.COMM_SELF), model=serial)
 for s in range(STEPS):
     one.train_step(X[s], Y[s])
 ref = fresh()
-ref_ddp = DDPOptimizer(Adam(lr=1e-2), config_over(MPI.COMM_WORLD), model=ref)
+ref_ddp = DDPCore(Adam(lr=1e-2), config_over(MPI.COMM_WORLD), model=ref)
 for s in range(KILL_AT):
     step(ref_ddp, s)
 two = MPI.COMM_WORLD.Split(MPI.UNDEFINED if rank == VICTIM else 0, rank)
 if rank != VICTIM:
-    ddp2 = DDPOptimizer(ref_ddp.optimizer, config_over(two), model=ref)
+    ddp2 = DDPCore(ref_ddp.optimizer, config_over(two), model=ref)
     for k, v in ref_ddp.state.items():
         ddp2.state[k][...] = v
     ddp2.step_count = ref_ddp.step_count
@@ -100,7 +100,7 @@ MPI.COMM_WORLD.Barrier()
 # --- the run that loses rank 1 ---
 model = fresh()
 config = config_over(MPI.COMM_WORLD)
-ddp = DDPOptimizer(Adam(lr=1e-2), config, model=model)
+ddp = DDPCore(Adam(lr=1e-2), config, model=model)
 if rank == VICTIM and WHERE == "backward":
     real = model.forward_backward
     def dying(*a, **k):

@@ -5,7 +5,7 @@ Model files (``save_model``, ``load_model``, ``model_from_bytes``) moved to
 
 from .files import CheckpointManager, checkpoint_name, latest_checkpoint, list_checkpoints
 from .format import FORMAT, FORMAT_VERSION, CheckpointInfo, TensorRecord
-from .strategy import load_checkpoint, save_checkpoint
+from .state import load_checkpoint, save_checkpoint
 from .tools import inspect_checkpoint, verify_checkpoint
 
 __all__ = [

@@ -10,7 +10,7 @@ from ..errors import CheckpointError
 from .collective import agree_error
 from .container import verify_file
 from .format import CheckpointInfo
-from .strategy import Placement, as_strategy, load_checkpoint, save_checkpoint
+from .state import Placement, as_strategy, load_checkpoint, save_checkpoint
 from .write import TEMP_MARK
 
 __all__ = ["CheckpointManager", "checkpoint_name", "latest_checkpoint", "list_checkpoints"]

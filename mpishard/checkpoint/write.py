@@ -4,7 +4,7 @@ The unit every strategy speaks is a :class:`Piece`: a hyperslab (block) of one
 logical tensor that this rank holds and is the designated writer of. Replicated
 data must be given by exactly one rank (the coverage check below catches a
 gap or an overlap). A data-parallel rank gives its share of the flat vectors
-(:mod:`~mpishard.checkpoint.strategy`); a tensor-parallel rank will give its
+(:mod:`~mpishard.checkpoint.state`); a tensor-parallel rank will give its
 slice of a split weight; a pipeline stage only its layers' tensors. Every rank
 declares the :class:`LogicalTensor` s it knows; the union, in one order agreed
 by all, is what the file holds, because HDF5 creates datasets collectively.

@@ -16,10 +16,12 @@ ranks of one job only, never in files.)
 
 from __future__ import annotations
 
+import ctypes
 import pickle
 import socket
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -54,19 +56,32 @@ def world_rank_and_host() -> str:
 
 
 class Handle:
-    """A pending non-blocking collective; ``wait()`` completes it once."""
+    """A pending non-blocking collective; ``wait()`` completes it once.
 
-    __slots__ = ("request", "finish", "what", "comm")
+    A collective on a device buffer staged through host memory starts later
+    than it is asked for: its device-to-host copy runs on a CUDA stream of its
+    own while the caller goes on (the backward keeps queueing kernels), and the
+    MPI call starts once the copy is done (``request`` is None until then; see
+    :meth:`FlatComm.progress`).
+    """
 
-    def __init__(self, comm: FlatComm, request: MPI.Request, what: str,
-                 finish: Callable[[], None] | None = None) -> None:
+    __slots__ = ("request", "finish", "what", "comm", "start")
+
+    def __init__(self, comm: FlatComm, request: MPI.Request | None, what: str,
+                 finish: Callable[[], None] | None = None,
+                 start: tuple[Any, Callable[[], MPI.Request]] | None = None) -> None:
         self.comm = comm
         self.request = request
         self.what = what
         self.finish = finish
+        self.start = start    # (copied event, starts the MPI call): deferred
 
     def test(self) -> bool:
         """Progress the operation; True when it has completed (finish not yet run)."""
+        if self.request is None:
+            self.comm.progress()
+            if self.request is None:
+                return False
         try:
             return self.request.Test()
         except MPI.Exception as exc:
@@ -82,6 +97,9 @@ class Handle:
         length is set by the data another rank must handle first (say why at the
         call), never for one that only needs the other ranks to arrive.
         """
+        if self.request is None:
+            self.comm.start_deferred(self)
+        assert self.request is not None
         if timed:
             self.comm.wait_request(self.request, self.what)
         else:
@@ -120,6 +138,10 @@ class FlatComm:
         self.rank = comm.Get_rank()
         self._cuda_aware = cuda_aware_mpi
         self._staging: dict[Any, np.ndarray] = {}
+        # Staged collectives whose MPI call waits for their device-to-host copy,
+        # in the order they were asked for; the CUDA stream and events of each slot.
+        self._deferred: deque[Handle] = deque()
+        self._copies: dict[Any, tuple[Any, Any, Any]] = {}
         self._scalar = np.zeros(1, dtype=np.float64)   # reused by allreduce_scalar
         self._int = np.zeros(1, dtype=np.int64)          # reused by allreduce of ints
         self._length = np.zeros(1, dtype=np.int64)       # reused by bcast
@@ -251,7 +273,9 @@ class FlatComm:
 
     # --- buffers ---------------------------------------------------------
     def _host(self, buf: Any, slot: Any) -> tuple[Any, Callable[[], None] | None]:
-        """The buffer to give MPI, and a copy-back step when it was staged."""
+        """The buffer to give MPI, and a copy-back step when it was staged. Starts
+        the deferred collectives first: MPI needs every rank's calls in one order."""
+        self.flush_deferred()
         xp = array_namespace(buf)
         if xp is np:
             return buf, None
@@ -266,6 +290,77 @@ class FlatComm:
 
         return host, copy_back
 
+    # --- staged collectives that start after their copy -------------------------------
+    def _deferrable(self, *bufs: Any) -> Any:
+        """CuPy when every one of ``bufs`` is a contiguous device array to be staged
+        through host memory (MPI not CUDA-aware), else None."""
+        xp = array_namespace(*bufs)
+        if xp is np or self._device_direct():
+            return None
+        return xp if all(b.flags.c_contiguous for b in bufs) else None
+
+    def _copy_down(self, buf: Any, slot: Any, xp: Any) -> tuple[np.ndarray, Any]:
+        """Start copying device ``buf`` into the pinned staging buffer of ``slot`` on
+        the slot's own CUDA stream, after the work queued so far on the current
+        stream (an event, not a synchronisation: the caller goes on queueing
+        kernels). Returns the host buffer and the event recorded after the copy."""
+        host = self._staging_buffer(slot, buf.size, buf.dtype, xp).reshape(buf.shape)
+        have = self._copies.get(slot)
+        if have is None:
+            have = (xp.cuda.Stream(non_blocking=True), xp.cuda.Event(disable_timing=True),
+                    xp.cuda.Event(disable_timing=True))
+            self._copies[slot] = have
+        stream, ready, copied = have
+        ready.record(xp.cuda.get_current_stream())
+        stream.wait_event(ready)
+        buf.data.copy_to_host_async(host.ctypes.data_as(ctypes.c_void_p), buf.nbytes, stream)
+        copied.record(stream)
+        return host, copied
+
+    @staticmethod
+    def _copy_up(buf: Any, host: np.ndarray, xp: Any) -> Callable[[], None]:
+        """The step that copies ``host`` back into ``buf`` on the current stream,
+        without waiting (later kernels on that stream run after it)."""
+        def copy_up() -> None:
+            buf.data.copy_from_host_async(host.ctypes.data_as(ctypes.c_void_p), buf.nbytes,
+                                          xp.cuda.get_current_stream())
+
+        return copy_up
+
+    def _defer(self, what: str, copied: Any, start: Callable[[], MPI.Request],
+               finish: Callable[[], None] | None) -> Handle:
+        """A handle whose MPI call ``start()`` runs once event ``copied`` is done."""
+        handle = Handle(self, None, what, finish, (copied, start))
+        self._deferred.append(handle)
+        self.progress()
+        return handle
+
+    def progress(self) -> None:
+        """Start the deferred collectives whose copies are done, in the order they
+        were asked for (every rank starts its collectives in one order); stop at
+        the first whose copy is still running. Local; never waits."""
+        while self._deferred and self._deferred[0].start[0].done:
+            self._start_first(wait=False)
+
+    def start_deferred(self, handle: Handle) -> None:
+        """Start ``handle``'s MPI call and every deferred one before it, waiting for
+        their copies. Local."""
+        while handle.request is None:
+            self._start_first()
+
+    def flush_deferred(self) -> None:
+        """Start every deferred collective (before any other call of this group)."""
+        while self._deferred:
+            self._start_first()
+
+    def _start_first(self, wait: bool = True) -> None:
+        handle = self._deferred.popleft()
+        copied, start = handle.start
+        if wait:
+            copied.synchronize()      # this slot's copy only, not the device
+        handle.start = None
+        handle.request = start()
+
     def _staging_buffer(self, slot: Any, size: int, dtype: Any, xp: Any) -> np.ndarray:
         key = (slot, np.dtype(dtype).str)
         have = self._staging.get(key)
@@ -274,6 +369,10 @@ class FlatComm:
             # fast as from pageable memory. Grow-only, so the step loop reuses it.
             nbytes = size * np.dtype(dtype).itemsize
             mem = xp.cuda.alloc_pinned_memory(nbytes)
+            if key in self._staging:
+                # An asynchronous copy may still read the old one: wait for the
+                # device before it goes back to CuPy's pool (only while growing).
+                xp.cuda.Device().synchronize()
             have = np.frombuffer(mem, dtype=dtype, count=size)
             self._staging[key] = have
         return have[:size]
@@ -283,6 +382,12 @@ class FlatComm:
                    finish: Callable[[], None] | None = None, op: str = "sum") -> Handle:
         """Start reducing ``buf`` in place over the group (``op``: sum by default).
         Collective over the group."""
+        xp = self._deferrable(buf)
+        if xp is not None:
+            host, copied = self._copy_down(buf, slot, xp)
+            return self._defer("Iallreduce", copied,
+                               lambda: self.comm.Iallreduce(MPI.IN_PLACE, host, op=_op(op)),
+                               _chain(self._copy_up(buf, host, xp), finish))
         host, copy_back = self._host(buf, slot)
         request = self.comm.Iallreduce(MPI.IN_PLACE, host, op=_op(op))
         return Handle(self, request, "Iallreduce", _chain(copy_back, finish))
@@ -290,6 +395,7 @@ class FlatComm:
     def Allreduce(self, buf: Any, slot: Any = "allreduce", op: str = "sum") -> None:
         """Reduce ``buf`` in place over the group (``op``: sum by default).
         Collective over the group."""
+        self.flush_deferred()
         if self.timeout is not None or array_namespace(buf) is not np:
             self.Iallreduce(buf, slot, op=op).wait()
         else:
@@ -300,6 +406,15 @@ class FlatComm:
                         finish: Callable[[], None] | None = None) -> Handle:
         """Start summing ``sendbuf`` over the group, rank ``i`` keeping the ``i``-th
         piece of ``counts[i]`` elements in ``recvbuf``. Collective over the group."""
+        xp = self._deferrable(sendbuf, recvbuf)
+        if xp is not None:
+            send, copied = self._copy_down(sendbuf, (slot, "send"), xp)
+            # The receive buffer is output only: staged, never copied down.
+            recv = self._staging_buffer((slot, "recv"), recvbuf.size, recvbuf.dtype, xp)
+            recv = recv.reshape(recvbuf.shape)
+            return self._defer("Ireduce_scatter", copied,
+                               lambda: self.comm.Ireduce_scatter(send, recv, counts, op=MPI.SUM),
+                               _chain(self._copy_up(recvbuf, recv, xp), finish))
         send, _ = self._host(sendbuf, (slot, "send"))
         recv, copy_back = self._host(recvbuf, (slot, "recv"))
         request = self.comm.Ireduce_scatter(send, recv, counts, op=MPI.SUM)
@@ -308,6 +423,7 @@ class FlatComm:
     def Reduce_scatter(self, sendbuf: Any, recvbuf: Any, counts: list[int],
                        slot: Any = "reduce_scatter") -> None:
         """Blocking :meth:`Ireduce_scatter`. Collective over the group."""
+        self.flush_deferred()
         if self.timeout is not None or array_namespace(sendbuf) is not np:
             self.Ireduce_scatter(sendbuf, recvbuf, counts, slot).wait()
         else:
@@ -317,9 +433,15 @@ class FlatComm:
                     finish: Callable[[], None] | None = None) -> Handle:
         """Start the in-place :meth:`Allgatherv` of ``buf`` (each rank's piece
         already sits in ``buf``). Collective over the group."""
+        spec = ([int(c) for c in counts], _displacements(counts))
+        xp = self._deferrable(buf)
+        if xp is not None:
+            host, copied = self._copy_down(buf, slot, xp)
+            return self._defer("Iallgatherv", copied,
+                               lambda: self.comm.Iallgatherv(MPI.IN_PLACE, [host, spec]),
+                               _chain(self._copy_up(buf, host, xp), finish))
         host, copy_back = self._host(buf, slot)
-        request = self.comm.Iallgatherv(
-            MPI.IN_PLACE, [host, ([int(c) for c in counts], _displacements(counts))])
+        request = self.comm.Iallgatherv(MPI.IN_PLACE, [host, spec])
         return Handle(self, request, "Iallgatherv", _chain(copy_back, finish))
 
     def Allgatherv(self, buf: Any, counts: Sequence[int], slot: Any = "allgather",
@@ -379,11 +501,13 @@ class FlatComm:
 
     def Irecv(self, buf: Any, source: int, tag: int) -> Handle:
         """Start receiving into host (NumPy) buffer ``buf`` from ``source``."""
+        self.flush_deferred()
         return Handle(self, self.comm.Irecv(buf, source=source, tag=tag),
                       f"Irecv from rank {source}")
 
     def Recv(self, buf: Any, source: int, tag: int, slot: Any = "recv") -> None:
         """Receive into ``buf`` from ``source`` (waits, with the group's timeout)."""
+        self.flush_deferred()
         xp = array_namespace(buf)
         if xp is np or self._device_direct():
             self.wait_request(self.comm.Irecv(buf, source=source, tag=tag),
@@ -401,6 +525,7 @@ class FlatComm:
 
     def allreduce_scalar(self, value: float, op: str | MPI.Op = "sum") -> float:
         """Reduce one Python float over the group. Collective over the group."""
+        self.flush_deferred()
         if self.size == 1:
             return float(value)
         buf = self._scalar
@@ -412,6 +537,7 @@ class FlatComm:
         """Reduce one Python bool, int or float over the group; returns the same
         type. ``op``: "sum", "max", "min", "land", "lor", "prod". Collective over
         the group."""
+        self.flush_deferred()
         if isinstance(value, (bool, np.bool_)):
             if op not in ("land", "lor", "max", "min"):
                 raise ValueError(f"a bool reduces with land, lor, max or min, not {op!r}")
@@ -432,6 +558,7 @@ class FlatComm:
     def bcast(self, obj: Any, root: int = 0) -> Any:
         """``obj`` of rank ``root`` on every rank (a small picklable object).
         Collective over the group."""
+        self.flush_deferred()
         if self.size == 1:
             return obj
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else b""
@@ -443,6 +570,7 @@ class FlatComm:
 
     def allgather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank. Collective over the group."""
+        self.flush_deferred()
         if self.size == 1:
             return [obj]
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -458,6 +586,7 @@ class FlatComm:
     def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
         """Every rank's ``obj`` in rank order on ``root``; None elsewhere.
         Collective over the group."""
+        self.flush_deferred()
         if self.size == 1:
             return [obj]
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -513,12 +642,14 @@ class FlatComm:
         HDF5 File create"): a barrier is how a call that cannot be timed (an
         HDF5 collective) is entered only once every rank has arrived.
         """
+        self.flush_deferred()
         if self.size > 1:
             self._timed(self.comm.Ibarrier(), f"Ibarrier before {before}" if before else "Ibarrier")
 
     # --- communicators ---------------------------------------------------
     def dup(self, name: str | None = None) -> FlatComm:
         """A duplicate of the group (its own message space). Collective over the group."""
+        self.flush_deferred()
         if self.timeout is not None and hasattr(self.comm, "Idup"):
             comm, request = self.comm.Idup()
             self.wait_request(request, "Idup")
@@ -533,6 +664,7 @@ class FlatComm:
         """The sub-group of the ranks with the same ``color``, ordered by ``key``.
         Collective over the group (``Comm_split`` has no non-blocking form, so it
         is not under the timeout; the collective before it in the library is)."""
+        self.flush_deferred()
         child = FlatComm(self.comm.Split(color=color, key=key), name, self.timeout,
                          self._cuda_aware)
         child.abort_job = self.abort_job
@@ -541,6 +673,7 @@ class FlatComm:
     def split_shared(self, name: str = "node") -> FlatComm:
         """The ranks of this group that share this rank's node (shared memory).
         Collective over the group."""
+        self.flush_deferred()
         child = FlatComm(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank), name,
                          self.timeout, self._cuda_aware)
         child.abort_job = self.abort_job
@@ -548,6 +681,7 @@ class FlatComm:
 
     def free(self) -> None:
         """Free the communicator (not ``MPI.COMM_WORLD``/``COMM_SELF``). Collective."""
+        self.flush_deferred()
         if self.comm not in (MPI.COMM_NULL, MPI.COMM_WORLD, MPI.COMM_SELF):
             self.comm.Free()
         self.comm = MPI.COMM_NULL

@@ -16,12 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..errors import UsageError
+
 __all__ = ["EXAMPLES", "OPTIONS", "Option", "Settings", "UsageError", "build_parser", "check",
            "load_toml", "parse_args", "plan_runs"]
-
-
-class UsageError(Exception):
-    """Bad input: one line on rank 0, exit code 2, on every rank alike."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +61,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_steps", "int", None, "stop after this many optimizer steps in all "
            "(a checkpoint is written there)", _G_RUN),
     Option("seed", "int", 0, "seed of the initial weights, the data and the shuffle", _G_RUN),
+    Option("device", "str", "cpu", "where the model, its optimizer state and the batches "
+           "live: cpu (NumPy) or cuda (CuPy; each rank takes GPU local rank %% GPUs it "
+           "sees, see mpishard info)", _G_RUN, ("cpu", "cuda")),
+    Option("gpu_index", "int", None, "with --device cuda: the GPU of every rank, among "
+           "those it sees (CUDA_VISIBLE_DEVICES), instead of local rank %% GPUs", _G_RUN,
+           metavar="N"),
     Option("strategy", "str", "ddp", "ddp, zero2, or hybrid (tensor x pipeline x data "
            "parallel; give --tp and --pp)", _G_PAR, ("ddp", "zero2", "hybrid")),
     Option("tp", "int", 1, "tensor-parallel size (hybrid)", _G_PAR),
@@ -138,6 +142,8 @@ class Settings:
     batch_size: int
     max_steps: int | None
     seed: int
+    device: str
+    gpu_index: int | None
     strategy: str
     tp: int
     pp: int
@@ -211,6 +217,7 @@ examples:
   mpirun -n 4 mpishard train --example gpt --strategy hybrid --tp 2 --pp 2 \\
       --micro-batches 4 --schedule 1f1b --data-parallel zero2
   mpirun -n 4 mpishard train --data flow.h5:/snapshots/u --epochs 20
+  mpirun -n 2 mpishard train --example gpt --device cuda   # GPU local rank % GPUs
   mpirun -n 4 mpishard train --config run.toml --checkpoint-every 100 --resume
 exit codes: 0 done; 2 bad input (one line on stderr); 75 stopped by SIGUSR1 or
 SIGTERM after writing a checkpoint (requeue the job and pass --resume)."""
@@ -399,6 +406,12 @@ def check(s: Settings, world: int) -> None:
         value = getattr(s, key)
         if value is not None and value < (0 if key == "layers" else 1):
             raise UsageError(f"{_BY_KEY[key].flag} must be positive, got {value}")
+    if s.gpu_index is not None:
+        if s.device != "cuda":
+            raise UsageError(f"--gpu-index {s.gpu_index} needs --device cuda (got --device "
+                             f"{s.device})")
+        if s.gpu_index < 0:
+            raise UsageError(f"--gpu-index must be 0 or positive, got {s.gpu_index}")
     if s.checkpoint_every < 0:
         raise UsageError(f"--checkpoint-every must be 0 or positive, got {s.checkpoint_every}")
     if not s.lr > 0:

@@ -183,6 +183,10 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
     from ..errors import MpiShardError
 
     dtype = np.dtype(s.dtype)
+    xp, gpu = np, None
+    if s.device == "cuda":   # before the data: a rank without a GPU stops the job here
+        xp, gpu = _agreed(comm, "--device cuda", lambda: _gpu(comm, s.gpu_index),
+                          (RuntimeError,))
     data, validation, what = _data(s, comm, dtype, closers)
     n_in, n_out = _widths(s, data)
     n_samples = len(data) if isinstance(data, Dataset) else len(data[0])
@@ -196,7 +200,7 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
                                        pipeline_parallel_size=s.pp, data_parallel_size=s.dp,
                                        reproducible=s.reproducible,
                                        fault_tolerance=s.fault_tolerance)
-        model = _model(s, config, dtype, n_in, n_out)
+        model = _model(s, config, dtype, n_in, n_out, xp)
         return config, model, _strategy(s, config, model, steps, warmup)
 
     # The library's own checks (heads or widths per tensor rank, layers per
@@ -214,9 +218,11 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
               f"hybrid on {comm.size} rank(s): tp {topo.tp} x pp {topo.pp} x dp "
               f"{topo.dp}, {s.micro_batches} micro-batches, {s.schedule}, "
               f"{s.data_parallel} across replicas")
+    where = ("" if gpu is None else
+             f", on {gpu.name} GPUs (rank 0: GPU {gpu.device}, {gpu.why})")
     description = [
         f"{name} of {params:,} parameters ({shape}) on {what}",
-        f"{layout}{', reproducible' if s.reproducible else ''}; global batch "
+        f"{layout}{where}{', reproducible' if s.reproducible else ''}; global batch "
         f"{s.batch_size}, {s.epochs} epochs = {steps} steps, "
         f"{s.optimizer} lr {s.lr:g}, cosine schedule",
     ]
@@ -246,7 +252,7 @@ def _data(s: Settings, comm: FlatComm, dtype: np.dtype,
         cut = -_VALIDATION_BURGERS
         return ((x[:cut], y[:cut]), (x[cut:], y[cut:]),
                 f"{s.samples:,} solutions of the 1-D Burgers equation (u(x,0) -> u(x,0.2))")
-    from ..hdf5data import HDF5Dataset, parse_data_spec
+    from ..data import HDF5Dataset, parse_data_spec
 
     try:
         path, inputs = parse_data_spec(s.data)
@@ -267,6 +273,13 @@ def _data(s: Settings, comm: FlatComm, dtype: np.dtype,
     return dataset, None, f"{len(dataset):,} samples of {s.data} ({rule}, read in parallel)"
 
 
+def _gpu(comm: FlatComm, index: int | None) -> tuple[Any, Any]:
+    """CuPy with this rank's GPU current, and the choice. Collective over ``comm``."""
+    from ..comm import choose_gpu
+
+    return choose_gpu(comm, index)
+
+
 def _widths(s: Settings, data: Any) -> tuple[int, int]:
     if s.example == "gpt":
         return 0, 0
@@ -275,18 +288,19 @@ def _widths(s: Settings, data: Any) -> tuple[int, int]:
     return data[0].shape[1], data[1].shape[1]
 
 
-def _model(s: Settings, config: Any, dtype: np.dtype, n_in: int, n_out: int) -> Any:
+def _model(s: Settings, config: Any, dtype: np.dtype, n_in: int, n_out: int,
+           xp: Any = np) -> Any:
     from ..examples.text import VOCAB_SIZE
     from ..nn import GPT, MLP, ParallelMLP
 
     if s.example == "gpt":
         factory = functools.partial(GPT, VOCAB_SIZE, s.seq_len, s.d_model, s.heads, s.layers,
-                                    dtype=dtype, seed=s.seed)
+                                    dtype=dtype, seed=s.seed, xp=xp)
     else:
         sizes = [n_in, *s.hidden, n_out]
         cls = ParallelMLP if s.strategy == "hybrid" else MLP
         factory = functools.partial(cls, sizes, activation=s.activation, loss="mse",
-                                    dtype=dtype, seed=s.seed)
+                                    dtype=dtype, seed=s.seed, xp=xp)
     if s.strategy != "hybrid":
         return factory()
     from ..strategies import HybridShardedModel
@@ -314,7 +328,7 @@ def _strategy(s: Settings, config: Any, model: Any, steps: int, warmup: int) -> 
 def _logical_parameters(config: Any, model: Any) -> int:
     """This rank's part of the model's parameter count: data replica 0 counts
     its slices of split tensors, and tensor rank 0 the replicated ones too."""
-    from ..nn.sharding import owned_ranges, tensor_shards
+    from ..nn.shards import owned_ranges, tensor_shards
 
     where = config.groups.coordinates
     if where.dp != 0:
@@ -373,7 +387,15 @@ def _checkpoints(run: Run, comm: FlatComm) -> None:
 
 def _train(run: Run, stop: StopRequest) -> TrainResult:
     """Train one run and print its summary on rank 0. Collective over the run's world."""
-    from ..train import evaluate, interactive_output, peak_rss_bytes, run_training
+    from ..train import (
+        Checkpointing,
+        Reporting,
+        Sampling,
+        evaluate,
+        interactive_output,
+        peak_rss_bytes,
+        run_training,
+    )
 
     s, world = run.settings, run.config.world
     rank0 = world.rank == 0
@@ -388,16 +410,17 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
     progress = s.progress if s.progress is not None else (rank0 and interactive_output())
     topo = run.config.topology
     report = run_training(
-        run.strategy, run.model, run.data, s.epochs, s.batch_size, seed=s.seed,
-        validation=run.validation, metrics_path=s.metrics_path,
-        append_metrics=run.resumed_from is not None, progress=bool(progress),
-        checkpoints=run.manager, checkpoint_every=s.checkpoint_every,
-        max_steps=s.max_steps, stop=stop, log_every=s.log_every, label=s.run,
-        print_every=max(1, s.epochs // 10),
-        start_record={"run": s.run, "model": run.description[0], "strategy": s.strategy,
-                      "world_size": world.size, "dp": topo.dp, "tp": topo.tp,
-                      "pp": topo.pp, "resumed_from": run.resumed_from,
-                      "start_val_loss": start_val})
+        run.strategy.core, run.model, run.data, s.epochs, s.batch_size,
+        sampling=Sampling(seed=s.seed), max_steps=s.max_steps, stop=stop,
+        reporting=Reporting(
+            progress=bool(progress), print_every=max(1, s.epochs // 10), label=s.run,
+            log_every=s.log_every, metrics_path=s.metrics_path,
+            append_metrics=run.resumed_from is not None, validation=run.validation,
+            start_record={"run": s.run, "model": run.description[0], "strategy": s.strategy,
+                          "world_size": world.size, "dp": topo.dp, "tp": topo.tp,
+                          "pp": topo.pp, "resumed_from": run.resumed_from,
+                          "start_val_loss": start_val}),
+        checkpointing=Checkpointing(run.manager, s.checkpoint_every))
     world = run.strategy.config.world   # the survivors' after a lost rank
     rank0 = world.rank == 0
     run.strategy.verify_in_sync()

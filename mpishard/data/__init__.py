@@ -7,15 +7,17 @@ rows that stay on the ranks that made them.
   (one that grows by :meth:`~StreamingDataset.append`).
 * :class:`LocalDataset`: the union of the rows each rank holds, each batch's
   rows moved by ``Alltoallv`` as it needs them.
+* :class:`HDF5Dataset`: samples in an HDF5 file, each rank reading only its rows.
 * :class:`BatchStream`: global batches as they arrive (a simulation's
   snapshots), one optimizer step each, until the iterator ends.
 """
 
+from ..errors import DataPositionWarning
 from .arrays import ArrayDataset, StreamingDataset
+from .hdf5 import HDF5Dataset, parse_data_spec
 from .local import LocalDataset
 from .sampler import (
     BatchSplit,
-    DataPositionWarning,
     SamplerState,
     ShardedSampler,
     position_conflicts,
@@ -29,10 +31,12 @@ __all__ = [
     "BatchSplit",
     "BatchStream",
     "DataPositionWarning",
+    "HDF5Dataset",
     "LocalDataset",
     "SamplerState",
     "ShardedSampler",
     "StreamingDataset",
+    "parse_data_spec",
     "position_conflicts",
     "rank_rows",
     "split_batch",

@@ -6,6 +6,9 @@ from typing import Any
 
 import numpy as np
 
+from ..backend import array_namespace
+from .transfer import RowMover, source_namespace
+
 __all__ = ["ArrayDataset", "StreamingDataset"]
 
 
@@ -40,30 +43,26 @@ class ArrayDataset:
                 xp.empty((rows,) + self.y.shape[1:], dtype=dtype(self.y)))
 
     def gather(self, indices: np.ndarray, x_out: Any, y_out: Any) -> None:
-        """Copy samples ``indices`` into the first rows of ``x_out``, ``y_out``. Local."""
-        _rows(self.x, indices, x_out)
-        _rows(self.y, indices, y_out)
+        """Copy samples ``indices`` into the first rows of ``x_out``, ``y_out``. Local.
 
+        Device data and a device model: the rows are gathered on the GPU (the
+        indices are copied up once); host data and a device model: gathered on
+        the host into pinned memory and copied up once (:mod:`~mpishard.data.transfer`).
+        """
+        mover = self._mover()
+        xp = array_namespace(x_out)
+        idx = None
+        if xp is not np and source_namespace(self.x) is xp:
+            idx = mover.indices(xp, indices)   # once for inputs and targets
+        mover.take(self.x, indices, x_out, idx, key="x")
+        mover.take(self.y, indices, y_out, idx, key="y")
 
-def _rows(a: Any, indices: np.ndarray, out: Any) -> None:
-    """``out[:] = a[indices]`` for a NumPy array, or anything indexable by a sorted
-    index array (an h5py dataset: only those rows are read), into a NumPy or
-    device buffer."""
-    if len(indices) == 0:
-        return
-    if isinstance(a, np.ndarray) and isinstance(out, np.ndarray):
-        # np.take casts into out; no temporary, nothing allocated per step.
-        np.take(a, indices, axis=0, out=out, mode="clip")
-        return
-    if isinstance(a, np.ndarray):
-        rows = np.take(a, indices, axis=0)
-    else:   # h5py and the like: increasing, duplicate-free selections, read once
-        want, inverse = np.unique(np.asarray(indices), return_inverse=True)
-        rows = np.asarray(a[want])[inverse]
-    if isinstance(out, np.ndarray):
-        out[...] = rows.reshape(out.shape)
-    else:   # device buffers: gather on the host, then one copy
-        out.set(np.ascontiguousarray(rows.reshape(out.shape), dtype=out.dtype))
+    def _mover(self) -> RowMover:
+        # Made on first use: a subclass need not call this __init__.
+        mover = getattr(self, "_row_mover", None)
+        if mover is None:
+            mover = self._row_mover = RowMover()
+        return mover
 
 
 class StreamingDataset(ArrayDataset):

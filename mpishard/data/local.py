@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .sampler import rank_rows
+from .transfer import RowMover
 
 if TYPE_CHECKING:   # annotations only: importing the data layer does not start MPI
     from ..comm import FlatComm
@@ -103,6 +104,7 @@ class LocalDataset:
         self._recv: tuple[np.ndarray, np.ndarray] | None = None
         self.rows_sent = 0
         self.rows_received = 0
+        self._mover = RowMover()
 
     def __len__(self) -> int:
         return self.total
@@ -155,12 +157,9 @@ class LocalDataset:
         self.rows_sent += int(len(mine) - sendcounts[rank])
         self.rows_received += int(hi - lo - recvcounts[rank])
         n = hi - lo
-        if isinstance(x_out, np.ndarray):
-            x_out[arrival] = rx[:n]
-            y_out[arrival] = ry[:n]
-        else:   # a device buffer: order on the host, then one copy each
-            x_out[:n].set(_placed(rx[:n], arrival))
-            y_out[:n].set(_placed(ry[:n], arrival))
+        # In batch order; a device buffer is filled in pinned memory, one copy up each.
+        self._mover.put(rx[:n], x_out[:n], key="x", order=arrival)
+        self._mover.put(ry[:n], y_out[:n], key="y", order=arrival)
 
     def _dtypes(self, float_dtype: Any) -> tuple[Any, Any]:
         def dtype(a: np.ndarray) -> Any:
@@ -183,12 +182,6 @@ class LocalDataset:
     def __repr__(self) -> str:
         return (f"LocalDataset({len(self.x)} local rows at {self.start} of {self.total}, "
                 f"data-parallel rank {self.comm.rank} of {self.comm.size})")
-
-
-def _placed(rows: np.ndarray, arrival: np.ndarray) -> np.ndarray:
-    out = np.empty_like(rows)
-    out[arrival] = rows
-    return out
 
 
 def _layout_problem(every: list[tuple[Any, ...]]) -> str | None:

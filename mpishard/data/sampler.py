@@ -23,13 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import DataPositionWarning
+
 __all__ = ["BatchSplit", "DataPositionWarning", "SamplerState", "ShardedSampler",
            "position_conflicts", "rank_rows", "split_batch"]
-
-
-class DataPositionWarning(UserWarning):
-    """An ``optimize()`` argument differs from the data position it continues;
-    the message says what is used."""
 
 
 

@@ -55,6 +55,7 @@ import numpy as np
 
 from ..backend import array_namespace
 from .sampler import rank_rows
+from .transfer import RowMover
 
 if TYPE_CHECKING:   # annotations only: importing the data layer does not start MPI
     from ..comm import FlatComm
@@ -95,6 +96,7 @@ class BatchStream:
         self._every: np.ndarray | None = None
         self._shape_key: tuple[Any, ...] | None = None
         self._buffers: dict[Any, Any] = {}
+        self._mover = RowMover()
 
     def __repr__(self) -> str:
         return (f"BatchStream(local={self.local}, index={self.index}, "
@@ -277,12 +279,8 @@ class BatchStream:
             buf = xp.empty((max(n, 1),) + tuple(a.shape[1:]), dtype=dtype)
             self._buffers[which] = buf
         out = buf[:n]
-        if xp is np:
-            out[...] = a if isinstance(a, np.ndarray) else a.get()
-        elif array_namespace(a) is np:   # host rows to a device buffer
-            out.set(np.ascontiguousarray(a, dtype=dtype))
-        else:
-            out[...] = a
+        # Host rows to a device buffer go through pinned memory, one copy up.
+        self._mover.put(a, out, key=which)
         return out
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from ..nn import ARCHITECTURE_VERSION, ShardedSequential, model_from_config
+from ..nn import ARCHITECTURE_VERSION, LayerStack, model_from_config
 
 __all__ = ["build_architecture"]
 
@@ -34,7 +34,7 @@ def _from_version_1(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_architecture(record: dict[str, Any] | None, name: str,
-                       xp: Any = np) -> ShardedSequential:
+                       xp: Any = np) -> LayerStack:
     """A new model, on the array backend ``xp``, from a file's architecture record.
 
     Raises:

@@ -27,7 +27,7 @@ from ..checkpoint.compare import architecture_problem
 from ..checkpoint.container import verify_image
 from ..checkpoint.format import MODEL, PARAMS, CheckpointInfo, read_info
 from ..checkpoint.read import open_checkpoint, read_blocks
-from ..checkpoint.strategy import (
+from ..checkpoint.state import (
     Placement,
     declared,
     global_problem,

@@ -1,5 +1,7 @@
 """Layers and models whose parameters are views of one flat NumPy or CuPy vector."""
 
+from .._deprecated import forward_names
+from . import stack
 from .activations import GELU, ReLU, Tanh
 from .attention import CausalSelfAttention
 from .base import BatchContext, Layer
@@ -13,7 +15,8 @@ from .mlp import MLP
 from .model_methods import ARCHITECTURE_VERSION, Described, ModelMethods, TrainingHistory
 from .registry import layer_from_config, loss_from_config, model_from_config
 from .sequential import Sequential
-from .sharding import ShardedSequential, TensorShard, owned_ranges, tensor_shards
+from .shards import TensorShard, owned_ranges, tensor_shards
+from .stack import LayerStack
 from .tensor_parallel import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -44,7 +47,7 @@ __all__ = [
     "ReLU",
     "RowParallelLinear",
     "Sequential",
-    "ShardedSequential",
+    "LayerStack",
     "SoftmaxCrossEntropy",
     "Tanh",
     "TensorShard",
@@ -57,3 +60,5 @@ __all__ = [
     "owned_ranges",
     "tensor_shards",
 ]
+
+__getattr__ = forward_names(__name__, {"ShardedSequential": (stack, "LayerStack")})

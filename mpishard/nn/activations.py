@@ -1,47 +1,70 @@
 """Elementwise activations: :class:`ReLU`, :class:`GELU` (tanh approximation), :class:`Tanh`.
 
 Their backward multiplies ``dy`` in place by the local derivative: ``dy`` is
-scratch of the model, so no gradient buffer of their own is needed.
+scratch of the model, so no gradient buffer of their own is needed. The
+arithmetic is :mod:`mpishard.kernels.nn`'s (one fused kernel a pass on a GPU).
+
+An activation right after a layer with a bias (:class:`~mpishard.nn.Linear`,
+:class:`~mpishard.nn.ColumnParallelLinear`) adds that bias itself: the model
+pairs them (:func:`pair_bias_activations`), the linear layer leaves its output
+without the bias, and ``act(x + bias)`` is one pass instead of two. The
+numbers are the same: the bias is added to the same product, in the same
+precision, before the same activation.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from typing import Any
 
+from ..kernels.nn import activation_backward, bias_activation
 from .base import BatchContext, Layer
 
 __all__ = [
     "GELU",
     "ReLU",
     "Tanh",
+    "pair_bias_activations",
 ]
 
 
-class ReLU(Layer):
-    """``y = max(x, 0)``; the derivative at 0 is taken as 0."""
+class _Activation(Layer):
+    """An elementwise activation (``kind`` among :data:`mpishard.kernels.nn.ACTIVATIONS`)."""
+
+    kind = ""
+    #: The layer whose bias this activation adds (set by :func:`pair_bias_activations`).
+    bias_of: Layer | None = None
+
+    def _scratch_names(self, train: bool) -> tuple[str, ...]:
+        return ()
 
     def allocate(self, rows: int, in_features: int, train: bool,
                  need_dx: bool) -> dict[str, Any]:
-        xp = self.xp
-        buf = {"y": xp.empty((rows, in_features), dtype=self.dtype)}
-        if train:
-            buf["mask"] = xp.empty((rows, in_features), dtype=bool)
+        xp, shape = self.xp, (rows, in_features)
+        buf = {"y": xp.empty(shape, dtype=self.dtype)}
+        for name in self._scratch_names(train):
+            buf[name] = xp.empty(shape, dtype=bool if name == "mask" else self.dtype)
         return buf
 
     def forward(self, x: Any, buf: dict[str, Any], ctx: BatchContext | None) -> Any:
-        return self.xp.maximum(x, 0, out=buf["y"])
+        bias = None if self.bias_of is None else self.bias_of.params["bias"]
+        buf["x"] = x   # after the call: x + bias (GELU's backward reads it)
+        return bias_activation(self.kind, x, bias, buf["y"], buf)
 
     def backward_input(self, dy: Any, buf: dict[str, Any]) -> Any:
-        # A masked store, not dy * mask: multiplying by a bool array makes NumPy
-        # cast it through an iteration buffer on every call.
-        xp, mask = self.xp, buf["mask"]
-        xp.less_equal(buf["y"], 0, out=mask)
-        xp.copyto(dy, 0, where=mask)
-        return dy
+        return activation_backward(self.kind, dy, buf["x"], buf["y"], buf)
 
 
-class GELU(Layer):
+class ReLU(_Activation):
+    """``y = max(x, 0)``; the derivative at 0 is taken as 0."""
+
+    kind = "relu"
+
+    def _scratch_names(self, train: bool) -> tuple[str, ...]:
+        return ("mask",) if train else ()
+
+
+class GELU(_Activation):
     """Gaussian error linear unit, **tanh approximation** (PyTorch's ``approximate="tanh"``).
 
     ``y = 0.5 x (1 + tanh(u))`` with ``u = sqrt(2/pi) (x + 0.044715 x^3)``. It
@@ -49,66 +72,27 @@ class GELU(Layer):
     anywhere; the approximation is used because NumPy has no ``erf`` ufunc.
     """
 
-    _C = math.sqrt(2.0 / math.pi)
-    _A = 0.044715
+    kind = "gelu"
 
-    def allocate(self, rows: int, in_features: int, train: bool,
-                 need_dx: bool) -> dict[str, Any]:
-        xp, shape = self.xp, (rows, in_features)
-        buf = {name: xp.empty(shape, dtype=self.dtype) for name in ("y", "t", "s")}
-        if train:
-            buf["s2"] = xp.empty(shape, dtype=self.dtype)
-        return buf
-
-    def forward(self, x: Any, buf: dict[str, Any], ctx: BatchContext | None) -> Any:
-        xp, t, s, y = self.xp, buf["t"], buf["s"], buf["y"]
-        xp.multiply(x, x, out=s)
-        s *= self._A
-        s += 1.0
-        s *= x
-        s *= self._C                     # s = u
-        xp.tanh(s, out=t)                # kept for backward
-        xp.add(t, 1.0, out=y)
-        y *= x
-        y *= 0.5
-        buf["x"] = x
-        return y
-
-    def backward_input(self, dy: Any, buf: dict[str, Any]) -> Any:
-        # dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
-        xp, x, t, s, s2 = self.xp, buf["x"], buf["t"], buf["s"], buf["s2"]
-        xp.multiply(t, t, out=s)
-        xp.subtract(1.0, s, out=s)
-        s *= x
-        xp.multiply(x, x, out=s2)
-        s2 *= 3.0 * self._A
-        s2 += 1.0
-        s *= s2
-        s *= self._C
-        s += t
-        s += 1.0
-        s *= 0.5
-        dy *= s
-        return dy
+    def _scratch_names(self, train: bool) -> tuple[str, ...]:
+        return ("t", "s", "s2") if train else ("t", "s")
 
 
-class Tanh(Layer):
+class Tanh(_Activation):
     """``y = tanh(x)``."""
 
-    def allocate(self, rows: int, in_features: int, train: bool,
-                 need_dx: bool) -> dict[str, Any]:
-        xp, shape = self.xp, (rows, in_features)
-        buf = {"y": xp.empty(shape, dtype=self.dtype)}
-        if train:
-            buf["s"] = xp.empty(shape, dtype=self.dtype)
-        return buf
+    kind = "tanh"
 
-    def forward(self, x: Any, buf: dict[str, Any], ctx: BatchContext | None) -> Any:
-        return self.xp.tanh(x, out=buf["y"])
+    def _scratch_names(self, train: bool) -> tuple[str, ...]:
+        return ("s",) if train else ()
 
-    def backward_input(self, dy: Any, buf: dict[str, Any]) -> Any:
-        xp, y, s = self.xp, buf["y"], buf["s"]
-        xp.multiply(y, y, out=s)
-        xp.subtract(1.0, s, out=s)
-        dy *= s
-        return dy
+
+def pair_bias_activations(layers: Sequence[Layer]) -> None:
+    """Let each activation that directly follows a layer with a bias it can leave
+    out (``folds_bias``: Linear, ColumnParallelLinear) add that bias itself.
+    Called by the models on their own layers in order, once they are made."""
+    for before, after in zip(layers, layers[1:]):
+        if (isinstance(after, _Activation) and getattr(before, "folds_bias", False)
+                and getattr(before, "bias", False) is True):
+            before.defer_bias = True
+            after.bias_of = before

@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 
 from ..comm import FlatComm
+from ..kernels.nn import causal_softmax, causal_softmax_backward
 from .base import BatchContext, Layer, finish_gradient, store_gradient
 from .embedding import sequence_shape
-from .sharding import TensorShard
+from .shards import TensorShard
 from .tensor_parallel import load_logical, tensor_parallel_comm
 
 __all__ = [
@@ -143,13 +144,7 @@ class CausalSelfAttention(Layer):
         # Scores, causal mask, softmax shifted by the row maximum (the diagonal
         # is never masked, so the maximum is finite).
         xp.matmul(buf["q"], buf["k"].transpose(0, 1, 3, 2), out=p)
-        p *= 1.0 / math.sqrt(self.head_dim)
-        xp.copyto(p, -np.inf, where=buf["mask"])
-        xp.max(p, axis=-1, keepdims=True, out=rows)
-        p -= rows
-        xp.exp(p, out=p)
-        xp.sum(p, axis=-1, keepdims=True, out=rows)
-        p /= rows
+        causal_softmax(p, 1.0 / math.sqrt(self.head_dim), buf["mask"], rows)
         # Heads' outputs (into the free scratch), back to token-major, then wo.
         out_heads = self._tokens(proj, b, t)
         xp.matmul(p, buf["v"], out=out_heads)
@@ -182,11 +177,7 @@ class CausalSelfAttention(Layer):
         self._heads(buf["dv"], b, t)[...] = scratch_heads
         # dp = dout @ v^T; softmax backward: ds = p * (dp - sum(dp * p)), scaled.
         xp.matmul(dheads, buf["v"].transpose(0, 1, 3, 2), out=dp)
-        dp *= p
-        xp.sum(dp, axis=-1, keepdims=True, out=rows)
-        p *= rows
-        dp -= p
-        dp *= 1.0 / math.sqrt(self.head_dim)
+        causal_softmax_backward(dp, p, 1.0 / math.sqrt(self.head_dim), rows)
         # dq = ds @ k, dk = ds^T @ q
         xp.matmul(dp, buf["k"], out=scratch_heads)
         self._heads(buf["dq"], b, t)[...] = scratch_heads

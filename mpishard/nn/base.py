@@ -52,7 +52,7 @@ class Layer:
     Inputs are 2-D, ``(rows, features)``; a layer of other shapes (the
     sequence layers of :class:`~mpishard.nn.GPT`) overrides :meth:`output_shape`
     and :meth:`allocate_shape` and runs in a
-    :class:`~mpishard.nn.sharding.ShardedSequential`.
+    :class:`~mpishard.nn.stack.LayerStack`.
     """
 
     index: int = 0
@@ -105,7 +105,7 @@ class Layer:
 
     # -- shapes other than (rows, features), and tensor shards ------------------
     #
-    # Used by :class:`~mpishard.nn.sharding.ShardedSequential` (GPT, pipeline
+    # Used by :class:`~mpishard.nn.stack.LayerStack` (GPT, pipeline
     # stages, tensor parallelism); :class:`~mpishard.nn.Sequential` does not
     # call them. The defaults describe a layer of rows that holds its tensors
     # in full.
@@ -132,7 +132,7 @@ class Layer:
         """The tensors this rank holds only a slice of, by local name.
 
         Tensors not listed are held in full, identical on every rank of the
-        tensor-parallel group (see :mod:`mpishard.nn.sharding`).
+        tensor-parallel group (see :mod:`mpishard.nn.shards`).
         """
         return {}
 

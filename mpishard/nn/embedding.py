@@ -14,7 +14,7 @@ import numpy as np
 from ..comm import FlatComm
 from .base import BatchContext, Layer, finish_gradient, store_gradient
 from .layers import LayerNorm
-from .sharding import TensorShard, split_range
+from .shards import TensorShard, split_range
 from .tensor_parallel import load_logical, tensor_parallel_comm
 
 __all__ = [

@@ -7,14 +7,15 @@ from typing import Any
 
 import numpy as np
 
-from .activations import GELU
+from .activations import GELU, pair_bias_activations
 from .attention import CausalSelfAttention
 from .base import BatchContext, Layer
 from .embedding import Embedding, LMHead, sequence_shape
 from .layers import LayerNorm
 from .losses import SoftmaxCrossEntropy
 from .model_methods import Described
-from .sharding import ShardedSequential, TensorShard, split_range
+from .shards import TensorShard, split_range
+from .stack import LayerStack
 from .tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -63,6 +64,7 @@ class TransformerBlock(Layer):
         self.gelu = GELU()
         self.fc2 = RowParallelLinear(4 * d_model, d_model, tp_comm,
                                      init_std=init_std if out_std is None else out_std)
+        pair_bias_activations([self.fc1, self.gelu])   # gelu(x @ W + b): one pass
         self._subs: list[tuple[str, Layer]] = [
             ("ln1", self.ln1), ("attn", self.attn), ("ln2", self.ln2),
             ("mlp.fc1", self.fc1), ("mlp.gelu", self.gelu), ("mlp.fc2", self.fc2)]
@@ -174,7 +176,7 @@ def _sub(d: dict[str, Any], prefix: str, layer: Layer) -> dict[str, Any]:
     return {name: d[f"{prefix}.{name}"] for name, _ in layer.param_shapes()}
 
 
-class GPT(Described, ShardedSequential):
+class GPT(Described, LayerStack):
     """A GPT-style decoder-only language model on one flat parameter vector.
 
     Top-level layers (and tensor names):
@@ -209,7 +211,7 @@ class GPT(Described, ShardedSequential):
     full logits (an Allgatherv). Building is collective over the group.
 
     ``stage_layers=(start, stop)``: only those top-level layers, for a pipeline
-    stage (see :class:`~mpishard.nn.sharding.ShardedSequential` for the stage
+    stage (see :class:`~mpishard.nn.stack.LayerStack` for the stage
     API); the model has ``GPT.num_layers_of(n_layers) = n_layers + 2`` top-level
     layers.
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels.nn import layer_norm_backward, layer_norm_forward
 from .base import BatchContext, Layer, finish_gradient, store_gradient
 
 __all__ = [
@@ -26,6 +27,12 @@ class Linear(Layer):
     uniform in ``[-1/sqrt(in_features), 1/sqrt(in_features)]`` (Kaiming-uniform
     with ``a = sqrt(5)``).
     """
+
+    #: The bias may be left to the activation after it (see
+    #: :func:`~mpishard.nn.activations.pair_bias_activations`); ``defer_bias``
+    #: says it was, and the output is then ``x @ W`` alone.
+    folds_bias = True
+    defer_bias = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         if in_features < 1 or out_features < 1:
@@ -64,7 +71,7 @@ class Linear(Layer):
     def forward(self, x: Any, buf: dict[str, Any], ctx: BatchContext | None) -> Any:
         xp, y = self.xp, buf["y"]
         xp.matmul(x, self.params["weight"], out=y)
-        if self.bias:
+        if self.bias and not self.defer_bias:
             y += self.params["bias"]
         buf["x"] = x  # a reference, not a copy: the weight gradient needs it
         return y
@@ -136,19 +143,9 @@ class LayerNorm(Layer):
         return buf
 
     def forward(self, x: Any, buf: dict[str, Any], ctx: BatchContext | None) -> Any:
-        xp = self.xp
-        xhat, tmp, mean, rstd, y = buf["xhat"], buf["tmp"], buf["mean"], buf["rstd"], buf["y"]
-        xp.mean(x, axis=1, keepdims=True, out=mean)
-        xp.subtract(x, mean, out=xhat)
-        xp.multiply(xhat, xhat, out=tmp)
-        xp.mean(tmp, axis=1, keepdims=True, out=rstd)
-        rstd += self.eps
-        xp.sqrt(rstd, out=rstd)
-        xp.reciprocal(rstd, out=rstd)
-        xhat *= rstd
-        xp.multiply(xhat, self.params["weight"], out=y)
-        y += self.params["bias"]
-        return y
+        prm = self.params
+        return layer_norm_forward(x, prm["weight"], prm["bias"], self.eps, buf["y"],
+                                  buf["xhat"], buf["mean"], buf["rstd"], buf["tmp"])
 
     def backward_params(self, dy: Any, buf: dict[str, Any], grads: dict[str, Any],
                         scratch: dict[str, Any] | None) -> None:
@@ -164,17 +161,8 @@ class LayerNorm(Layer):
     def backward_input(self, dy: Any, buf: dict[str, Any]) -> Any:
         # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * weight,
         # computed in place in dy (the parameter gradients were taken already).
-        xp = self.xp
-        g, xhat, m1, m2 = buf["tmp"], buf["xhat"], buf["mean"], buf["mean2"]
-        xp.multiply(dy, self.params["weight"], out=g)
-        xp.mean(g, axis=1, keepdims=True, out=m1)
-        xp.multiply(g, xhat, out=dy)
-        xp.mean(dy, axis=1, keepdims=True, out=m2)
-        xp.multiply(xhat, m2, out=dy)
-        xp.subtract(g, dy, out=dy)
-        dy -= m1
-        dy *= buf["rstd"]
-        return dy
+        return layer_norm_backward(dy, self.params["weight"], buf["xhat"], buf["rstd"],
+                                   buf["tmp"], buf["mean"], buf["mean2"])
 
     def config(self) -> dict[str, Any]:
         return {"class": "LayerNorm", "args": {"features": self.features, "eps": self.eps}}

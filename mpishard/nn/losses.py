@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels.nn import softmax_cross_entropy
 from .base import no_argument_config
 
 __all__ = [
@@ -76,6 +77,7 @@ class SoftmaxCrossEntropy(Loss):
             "rowmax": xp.empty((rows, 1), dtype=dt),
             "sumexp": xp.empty((rows, 1), dtype=dt),
             "rows": xp.arange(rows),
+            "rowloss": xp.empty(rows, dtype=dt),          # the fused kernel's, per row
         }
 
     def check_target(self, target: Any, rows: int, features: int) -> Any:
@@ -87,26 +89,7 @@ class SoftmaxCrossEntropy(Loss):
         return target
 
     def loss_and_grad(self, out: Any, target: Any, buf: dict[str, Any]) -> tuple[Any, Any]:
-        xp = self.xp
-        p, logp, onehot = buf["grad"], buf["logp"], buf["onehot"]
-        rowmax, sumexp = buf["rowmax"], buf["sumexp"]
-        rows = out.shape[0]
-        xp.max(out, axis=1, keepdims=True, out=rowmax)
-        xp.subtract(out, rowmax, out=logp)
-        xp.exp(logp, out=p)
-        xp.sum(p, axis=1, keepdims=True, out=sumexp)
-        p /= sumexp                                    # softmax
-        xp.log(sumexp, out=sumexp)
-        logp -= sumexp                                 # log-softmax
-        # A one-hot matrix instead of a gather: filling a buffer allocates
-        # nothing, fancy-index reads would allocate a result every step.
-        onehot.fill(0)
-        onehot[buf["rows"], target] = 1
-        scale = 1.0 / rows if rows else 0.0
-        loss = xp.vdot(onehot.ravel(), logp.ravel()) * -scale
-        p -= onehot
-        p *= scale
-        return loss, p
+        return softmax_cross_entropy(out, target, buf)
 
 
 class MSELoss(Loss):

@@ -24,7 +24,7 @@ from .layers import LayerNorm, Linear
 from .losses import Loss, MSELoss, SoftmaxCrossEntropy
 from .mlp import MLP
 from .sequential import Sequential
-from .sharding import ShardedSequential
+from .stack import LayerStack
 from .tensor_parallel import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -78,7 +78,7 @@ def loss_from_config(config: dict[str, Any]) -> Loss:
     return cls(**args)
 
 
-def model_from_config(config: dict[str, Any], xp: Any = np) -> ShardedSequential:
+def model_from_config(config: dict[str, Any], xp: Any = np) -> LayerStack:
     """A new model, on the array backend ``xp``, from a model's ``config()`` record.
 
     A :class:`Sequential`'s layers and loss are records too, built by

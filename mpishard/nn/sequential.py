@@ -12,17 +12,17 @@ from ..backend import array_namespace
 from .base import Layer
 from .losses import Loss
 from .model_methods import ModelMethods, layer_metadata
-from .sharding import ShardedSequential
+from .stack import LayerStack
 
 __all__ = [
     "Sequential",
 ]
 
 
-class Sequential(ModelMethods, ShardedSequential):
+class Sequential(ModelMethods, LayerStack):
     """Layers applied in order, then a loss; parameters in one flat vector.
 
-    The whole model of :class:`~mpishard.nn.sharding.ShardedSequential` (no
+    The whole model of :class:`~mpishard.nn.stack.LayerStack` (no
     pipeline stage, no tensor parallelism), plus the single-process model API
     (:class:`~mpishard.nn.model_methods.ModelMethods`; files: :mod:`mpishard.models`). The
     layout names tensors ``"<index>.<name>"`` by the layer's position in

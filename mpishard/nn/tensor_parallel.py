@@ -39,7 +39,8 @@ from .dropout import Dropout
 from .layers import LayerNorm, Linear
 from .losses import Loss, MSELoss, SoftmaxCrossEntropy
 from .model_methods import Described
-from .sharding import ShardedSequential, TensorShard, split_range
+from .shards import TensorShard, split_range
+from .stack import LayerStack
 
 __all__ = [
     "ColumnParallelLinear",
@@ -133,6 +134,10 @@ class ColumnParallelLinear(Layer):
         ValueError: ``out_features`` not divisible by ``p``; not positive sizes.
     """
 
+    #: The bias may be left to the activation after it (as :class:`Linear`'s).
+    folds_bias = True
+    defer_bias = False
+
     def __init__(self, in_features: int, out_features: int, tp_comm: FlatComm | None = None,
                  bias: bool = True, *, reduce_input_grad: bool = True,
                  init_std: float | None = None) -> None:
@@ -188,7 +193,7 @@ class ColumnParallelLinear(Layer):
     def forward(self, x: Any, buf: dict[str, Any], ctx: BatchContext | None) -> Any:
         y = buf["y"]
         self.xp.matmul(x, self.params["weight"], out=y)
-        if self.bias:
+        if self.bias and not self.defer_bias:
             y += self.params["bias"]
         buf["x"] = x
         return y
@@ -455,7 +460,7 @@ _ACTIVATIONS: dict[str, type[Layer]] = {"gelu": GELU, "relu": ReLU, "tanh": Tanh
 _LOSSES: dict[str, type[Loss]] = {"cross_entropy": SoftmaxCrossEntropy, "mse": MSELoss}
 
 
-class ParallelMLP(Described, ShardedSequential):
+class ParallelMLP(Described, LayerStack):
     """:class:`~mpishard.nn.MLP`, tensor-parallel over ``tp_comm`` and/or one pipeline stage.
 
     Same arguments, layers, tensor names and initial values as ``MLP(sizes,
@@ -469,7 +474,7 @@ class ParallelMLP(Described, ShardedSequential):
     columns; dropout there uses this rank's columns of the serial model's mask.
 
     ``stage_layers=(start, stop)`` builds top-level layers ``[start, stop)`` only
-    (see :class:`~mpishard.nn.sharding.ShardedSequential` for the stage API);
+    (see :class:`~mpishard.nn.stack.LayerStack` for the stage API);
     the indices are those of the MLP's layers (Linear, [LayerNorm], activation,
     [Dropout], Linear, ...).
 

@@ -29,7 +29,7 @@ __all__ = [
 #: L2 and measured within noise of the best (128K-1M) at 25M elements. At 1.9M
 #: elements 256K chunks were up to ~20% faster, but only by using this 2-core
 #: machine's 32 MiB L3, which ranks sharing a node would share too
-#: (scripts/bench_optimizer.py --chunk-sweep).
+#: (benchmarks/bench_optimizer.py --chunk-sweep).
 CHUNK_ELEMENTS = 1 << 16
 
 #: Elements per chunk for device arrays (CuPy). A GPU gains nothing from

@@ -1,21 +1,40 @@
-"""The parallel layer: how gradients, state and parameters are spread over ranks.
+"""The parallel layer: the strategy cores, how gradients, state and parameters are
+spread over ranks.
 
-Each strategy here owns attach / backward / step / state and how a bucket of
-gradients is reduced; it knows nothing of data sets, checkpoints or training
-loops (those are the layers above: :mod:`mpishard.train` runs the loop).
+Each core here owns attach / backward / step / state, how a bucket of gradients
+is reduced and :meth:`~DataParallelCore.rebuild` over new groups; it knows
+nothing of data sets, checkpoints or training loops (the layers above:
+:mod:`mpishard.train` runs the loop, :mod:`mpishard.strategies` holds the public
+classes, one per name).
 """
 
-from .base import DataParallelOptimizer
-from .ddp import DDPOptimizer
-from .hybrid import HybridShardedModel, HybridShardedOptimizer
-from .zero2 import REDUCE_METHODS, ZeRO2Optimizer, choose_reduce_method
+from .._deprecated import forward_names
+from . import base as _base
+from . import ddp as _ddp
+from . import zero2 as _zero2
+from .base import DataParallelCore, DataParallelOptions
+from .ddp import DDPCore
+from .hybrid import HYBRID_CORES, HybridCore, HybridDDPCore, HybridShardedModel, HybridZeRO2Core
+from .zero2 import REDUCE_METHODS, ZeRO2Core, ZeRO2Options, choose_reduce_method
 
 __all__ = [
-    "DDPOptimizer",
-    "DataParallelOptimizer",
-    "HybridShardedModel",
-    "HybridShardedOptimizer",
+    "HYBRID_CORES",
     "REDUCE_METHODS",
-    "ZeRO2Optimizer",
+    "DDPCore",
+    "DataParallelCore",
+    "DataParallelOptions",
+    "HybridCore",
+    "HybridDDPCore",
+    "HybridShardedModel",
+    "HybridZeRO2Core",
+    "ZeRO2Core",
+    "ZeRO2Options",
     "choose_reduce_method",
 ]
+
+# 0.4's names of the cores (the public classes are mpishard.strategies'): one version more.
+__getattr__ = forward_names(__name__, {
+    "DDPOptimizer": (_ddp, "DDPCore"),
+    "ZeRO2Optimizer": (_zero2, "ZeRO2Core"),
+    "DataParallelOptimizer": (_base, "DataParallelCore"),
+})

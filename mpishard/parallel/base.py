@@ -6,8 +6,10 @@ import contextlib
 import hashlib
 import inspect
 import math
+import numbers
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,7 @@ from ..protocols import BucketedModel, Model, Optimizer
 from .overlap import OVERLAP_CHOICES, choose_overlap
 from .repro import ReproducibleStep
 
-__all__ = ["DataParallelOptimizer"]
+__all__ = ["NONFINITE_POLICIES", "DataParallelCore", "DataParallelOptions"]
 
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -38,26 +40,85 @@ NONFINITE_POLICIES = ("error", "skip")
 _LOSS, _ROWS, _SQUARES, _FLAGS = 0, 1, 2, 3
 
 
-class DataParallelOptimizer:
-    """Base of the data-parallel strategies; not used directly.
+@dataclass(frozen=True)
+class DataParallelOptions:
+    """The options every data-parallel core takes (keyword arguments of its
+    constructor), kept whole by :meth:`DataParallelCore.rebuild`.
+
+    Attributes:
+        bucket_mb: gradient bucket size in MiB.
+        accumulation_steps: micro-batches per step; only the last communicates (DDP).
+        max_grad_norm: clip by the global gradient norm (None: no clipping).
+        schedule: ``step -> factor`` of the learning rate.
+        overlap: start bucket reductions during the backward (library models
+            only); ``"auto"``: during or after it, whichever a
+            stand-in backward measured faster at attach
+            (:mod:`mpishard.parallel.overlap`; ``overlap_timings``, ``bucketed``).
+        nonfinite: ``"error"`` (a NaN or infinite loss or gradient norm raises
+            :class:`~mpishard.errors.NonFiniteError` on every rank) or ``"skip"``
+            (no update on any rank; counted in ``skipped_steps``).
+    """
+
+    bucket_mb: float = 25.0
+    accumulation_steps: int = 1
+    max_grad_norm: float | None = None
+    schedule: Callable[[int], float] | None = None
+    overlap: bool | str = True
+    nonfinite: str = "error"
+
+    def problem(self) -> str | None:
+        """Why these options cannot be used, or None. Pure."""
+        steps = self.accumulation_steps
+        if not isinstance(steps, numbers.Integral) or isinstance(steps, bool) or steps < 1:
+            return f"accumulation_steps must be a positive integer, got {steps!r}"
+        if not (self.bucket_mb > 0):
+            return f"bucket_mb must be positive, got {self.bucket_mb!r}"
+        if self.max_grad_norm is not None and not (self.max_grad_norm > 0):
+            return f"max_grad_norm must be positive or None, got {self.max_grad_norm!r}"
+        if self.nonfinite not in NONFINITE_POLICIES:
+            return f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}"
+        if not any(self.overlap is c for c in OVERLAP_CHOICES):
+            return f"overlap must be True, False or 'auto', got {self.overlap!r}"
+        return None
+
+
+class DataParallelCore:
+    """Base of the data-parallel strategy cores; not used directly.
 
     Subclasses say only how one bucket of gradients is reduced and where
-    gradients and state live (:class:`~mpishard.strategies.DDPOptimizer`,
-    :class:`~mpishard.strategies.ZeRO2Optimizer`); the buckets, their readiness
-    and launching are :class:`~mpishard.comm.buckets.GradientBuckets`'. This
-    class owns the checks, the micro-batch bookkeeping, learning-rate schedule,
-    clipping and the non-finite policy. The training loop (``optimize()``) is
-    :mod:`mpishard.train`'s, added by the public classes of
-    :mod:`mpishard.strategies`.
+    gradients and state live (:class:`~mpishard.parallel.DDPCore`,
+    :class:`~mpishard.parallel.ZeRO2Core`); the buckets, their readiness and
+    launching are :class:`~mpishard.comm.buckets.GradientBuckets`'. This class
+    owns the checks, the micro-batch bookkeeping, learning-rate schedule,
+    clipping and the non-finite policy. The public classes of
+    :mod:`mpishard.strategies` add the training loop (``optimize()``).
 
     The mean is over rows, not ranks: each micro-batch's gradient is weighted
     by its row count (through the model's ``loss_scale``), and ``step()``
     divides by the global row count, so ranks and micro-batches of any sizes,
     zero included, give exactly the gradient of the global batch's mean loss.
+
+    Args:
+        optimizer: the update rule (:mod:`mpishard.optim`).
+        config: the layout (``ShardingConfiguration()`` over ``MPI.COMM_WORLD``
+            when None).
+        model: attach at once (otherwise :meth:`attach` or ``optimize`` does).
+        **options: the fields of :attr:`Options` (:class:`DataParallelOptions`
+            and the subclass's own).
+
+    Raises:
+        TypeError: not an optimizer, or an unknown option (on every rank).
+        ValueError: an option out of range (on every rank).
+        TopologyError: a layout with tensor or pipeline parallelism (use the
+            hybrid strategy).
     """
 
     #: Human-readable name, written into checkpoints and reports.
     strategy = "data-parallel"
+    #: The public class (:mod:`mpishard.strategies`) built on this core, for messages.
+    public = "DataParallelCore"
+    #: The options dataclass of this core.
+    Options: type[DataParallelOptions] = DataParallelOptions
     #: Subclasses that hold a tensor/pipeline shard of the model set this.
     _model_parallel = False
     #: Extra factor on the summed gradient (a pipeline's 1 / micro-batches).
@@ -68,44 +129,22 @@ class DataParallelOptimizer:
     _counts_rows = True
 
     def __init__(self, optimizer: Optimizer, config: ShardingConfiguration | None = None, *,
-                 model: Model | None = None, bucket_mb: float = 25.0,
-                 accumulation_steps: int = 1, max_grad_norm: float | None = None,
-                 schedule: Callable[[int], float] | None = None,
-                 overlap: bool | str = True,
-                 nonfinite: str = "error") -> None:
-        self.config = config if config is not None else ShardingConfiguration()
-        world = self.config.world
+                 model: Model | None = None, **options: Any) -> None:
+        config = config if config is not None else ShardingConfiguration()
+        world = config.world
         world.agree(None if isinstance(optimizer, Optimizer) else
-              f"expecting a gradient optimizer with init_state() and update() "
-              f"(mpishard.optim.SGD, Adam, AdamW), got {type(optimizer).__name__}", TypeError)
-        problem = None
-        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-            problem = f"accumulation_steps must be a positive integer, got {accumulation_steps!r}"
-        elif not (bucket_mb > 0):
-            problem = f"bucket_mb must be positive, got {bucket_mb!r}"
-        elif max_grad_norm is not None and not (max_grad_norm > 0):
-            problem = f"max_grad_norm must be positive or None, got {max_grad_norm!r}"
-        elif nonfinite not in NONFINITE_POLICIES:
-            problem = f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}"
-        elif not any(overlap is c for c in OVERLAP_CHOICES):
-            problem = f"overlap must be True, False or 'auto', got {overlap!r}"
-        world.agree(problem, ValueError)
-        topo = self.config.topology
-        if topo.tp * topo.pp != 1 and not self._model_parallel:
-            world.agree(f"{type(self).__name__} replicates the whole model, but the layout has "
-                        f"tensor_parallel_size={topo.tp} and pipeline_parallel_size={topo.pp}; "
-                        f"use HybridShardedOptimizer for tensor or pipeline parallelism",
-                  TopologyError)
+                    f"expecting a gradient optimizer with init_state() and update() "
+                    f"(mpishard.optim.SGD, Adam, AdamW), got {type(optimizer).__name__}",
+                    TypeError)
+        unknown = sorted(set(options) - {f.name for f in fields(self.Options)})
+        world.agree(f"{self.public} got unknown option(s) {unknown}; expecting "
+                    f"{[f.name for f in fields(self.Options)]}" if unknown else None, TypeError)
+        #: The constructor's options, as given (:attr:`Options`); :meth:`rebuild` keeps them.
+        self.options = self.Options(**options)
+        world.agree(self.options.problem(), ValueError)
         self.optimizer = optimizer
-        self.bucket_mb = float(bucket_mb)
-        self.accumulation_steps = accumulation_steps
-        self.max_grad_norm = max_grad_norm
-        self.schedule = schedule
-        self.overlap = overlap
-        self.nonfinite = nonfinite
-        groups = self.config.groups
-        self.dp = groups.dp
-        self.model: Model | None = None
+        for f in fields(self.options):   # read as attributes: strategy.bucket_mb, ...
+            setattr(self, f.name, getattr(self.options, f.name))
         self.step_count = 0
         #: Steps refused for a non-finite loss or gradient norm (``nonfinite="skip"``);
         #: they do not count in ``step_count``.
@@ -117,16 +156,46 @@ class DataParallelOptimizer:
         self.data_position: dict[str, int] | None = None
         self.timings = {"forward_backward": 0.0, "communication": 0.0,
                         "optimizer": 0.0, "gather": 0.0}
+        self._peak_bytes = 0
+        self.model: Model | None = None
+        self._over(config)
+        if model is not None:
+            self.attach(model)
+
+    def _over(self, config: ShardingConfiguration) -> None:
+        """Take ``config``'s groups, with no model attached and no step in progress."""
+        topo = config.topology
+        if topo.tp * topo.pp != 1 and not self._model_parallel:
+            config.world.agree(
+                f"{self.public} replicates the whole model, but the layout has "
+                f"tensor_parallel_size={topo.tp} and pipeline_parallel_size={topo.pp}; "
+                f"use HybridShardedOptimizer for tensor or pipeline parallelism",
+                TopologyError)
+        self.config = config
+        self.dp = config.groups.dp
         self._pending_micro = 0
         self._loss_sum = 0.0       # sum over this step's micro-batches of rows * mean loss
         self._rows = 0             # rows of this step's micro-batches on this rank
         self._local_bad = False    # a non-finite local loss or gradient this step
         self._no_sync = False
-        self._peak_bytes = 0
         # Reproducible mode's units and binned sums (config.reproducible), made at attach.
         self._repro: ReproducibleStep | None = None
+
+    def rebuild(self, config: ShardingConfiguration) -> None:
+        """Set this core up again over ``config``'s groups (after a lost rank: the
+        survivors'), keeping the optimizer, every constructor option
+        (:attr:`options`) and the attached model; the optimizer state starts from
+        zero (the caller puts it back), the step count and data position stay.
+        Collective over ``config.world``."""
+        model = self.model
+        self._release()
+        self._over(config)
+        self.model = None
         if model is not None:
             self.attach(model)
+
+    def _release(self) -> None:
+        """Free what the core holds on its old groups (a two-level reducer)."""
 
     # --- setting up --------------------------------------------------------
     def attach(self, model: Model) -> None:
@@ -196,8 +265,8 @@ class DataParallelOptimizer:
 
     def _require_model(self) -> Model:
         if self.model is None:
-            raise RuntimeError(f"{type(self).__name__} has no model: pass model= when "
-                               f"you make it ({type(self).__name__}(optimizer, config, "
+            raise RuntimeError(f"{self.public} has no model: pass model= when "
+                               f"you make it ({self.public}(optimizer, config, "
                                f"model=model)), or call attach(model) or optimize(model, "
                                f"...) first")
         return self.model

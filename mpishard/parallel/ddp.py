@@ -1,4 +1,4 @@
-"""``DDPOptimizer``: every replica holds everything; gradients are averaged."""
+"""``DDPCore``: every replica holds everything; gradients are averaged."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from ..comm import Handle
 from ..comm.hierarchical import choose as choose_reduction
 from ..flat import Range, shard_ranges
 from ..protocols import Model
-from .base import DataParallelOptimizer, _nbytes
+from .base import DataParallelCore, _nbytes
 
-__all__ = ["DDPOptimizer"]
+__all__ = ["DDPCore"]
 
 
-class DDPOptimizer(DataParallelOptimizer):
+class DDPCore(DataParallelCore):
     """Distributed data parallel: gradients summed with Allreduce, in buckets.
 
     Every data-parallel rank holds the full parameters, gradients and optimizer
@@ -26,21 +26,8 @@ class DDPOptimizer(DataParallelOptimizer):
     averaging (1/rows of the global batch) and any clipping are folded into the
     optimizer's update, so they cost no extra pass.
 
-    Args:
-        optimizer: the update rule (:mod:`mpishard.optim`).
-        config: the layout; data parallel over ``config.groups.dp``.
-        model: attach at once (otherwise :meth:`attach` or ``optimize`` does).
-        bucket_mb: bucket size in MiB.
-        accumulation_steps: micro-batches per step; only the last communicates.
-        max_grad_norm: clip by the global gradient norm.
-        schedule: ``step -> factor`` of the learning rate.
-        overlap: start bucket reductions during backward (library models only);
-            ``"auto"``: during or after it, whichever a stand-in backward measured
-            faster at attach (:mod:`mpishard.parallel.overlap`; reported in
-            ``overlap_timings``, the choice in ``bucketed``).
-        nonfinite: ``"error"`` (default: a NaN or infinite loss or gradient norm
-            raises :class:`~mpishard.errors.NonFiniteError` on every rank) or
-            ``"skip"`` (no update on any rank; counted in ``skipped_steps``).
+    Args and options: :class:`~mpishard.parallel.base.DataParallelCore`'s
+    (:class:`~mpishard.parallel.base.DataParallelOptions`).
 
     Example::
 
@@ -49,6 +36,7 @@ class DDPOptimizer(DataParallelOptimizer):
     """
 
     strategy = "ddp"
+    public = "DDPOptimizer"
 
     def _setup(self) -> None:
         model = self.model
@@ -63,13 +51,18 @@ class DDPOptimizer(DataParallelOptimizer):
             model.set_backward_hooks(self.buckets)
         # The buckets' reduction: over the data group, or in two levels (inside
         # the nodes, then across) where that measured faster at this bucket size.
-        if getattr(self, "reducer", None) not in (None, self.dp):
-            self.reducer.free()   # attached before
+        self._release()   # attached before
         self.reduction_timings: dict[str, Any] = {}
         self.reducer = self.dp if self.config.reproducible else choose_reduction(
             self.dp, max(len(b) for b in self.buckets.ranges), dtype, xp,
             blocking=not self.bucketed, nodes=self.config.groups.nodes,
             record=self.reduction_timings)
+
+    def _release(self) -> None:
+        reducer = getattr(self, "reducer", None)
+        if reducer is not None and reducer is not self.dp:
+            reducer.free()
+        self.reducer = None
 
     @property
     def _grad_vector(self) -> Any:

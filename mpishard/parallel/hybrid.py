@@ -1,4 +1,4 @@
-"""3D parallelism: ``HybridShardedModel`` and ``HybridShardedOptimizer``.
+"""3D parallelism: ``HybridShardedModel`` and the hybrid strategy cores.
 
 Data, tensor and pipeline parallelism at once, in the ``tp-dp-pp`` rank order of
 :mod:`mpishard.topology`. Each rank builds only its pipeline stage's layers, and
@@ -17,14 +17,14 @@ from ..comm import FlatComm
 from ..config import ShardingConfiguration
 from ..errors import TopologyError
 from ..flat import Range
-from ..nn.sharding import owned_ranges, tensor_shards
+from ..nn.shards import owned_ranges, tensor_shards
 from ..pipeline.executor import PipelineStage
 from ..pipeline.partition import balance_stages, check_boundaries
 from ..pipeline.schedules import SCHEDULES
-from .ddp import DDPOptimizer
-from .zero2 import ZeRO2Optimizer
+from .ddp import DDPCore
+from .zero2 import ZeRO2Core
 
-__all__ = ["HybridShardedModel", "HybridShardedOptimizer"]
+__all__ = ["HYBRID_CORES", "HybridCore", "HybridDDPCore", "HybridShardedModel", "HybridZeRO2Core"]
 
 
 class HybridShardedModel:
@@ -48,7 +48,8 @@ class HybridShardedModel:
     It is a model (``params``, ``grads``, ``layout`` of this rank's shard;
     ``forward``; ``forward_backward`` runs the whole pipeline schedule and
     returns the step's mean loss on every rank) for the data-parallel group of
-    :class:`HybridShardedOptimizer`. Building is collective over ``config.comm``.
+    :class:`~mpishard.strategies.HybridShardedOptimizer`. Building is collective
+    over ``config.comm``.
 
     Raises:
         TopologyError: sizes that do not divide the world or disagree with ``config``.
@@ -110,7 +111,7 @@ class HybridShardedModel:
     def rebuild(self, config: ShardingConfiguration) -> None:
         """Build this model again over ``config``, in place, keeping this rank's
         parameters: after a recovery that dropped whole replicas
-        (:func:`mpishard.parallel.replicas.drop_replicas`) the kept ranks have new
+        (:func:`mpishard.recovery.replicas.drop_replicas`) the kept ranks have new
         groups but the same tensor and pipeline sizes, and each keeps its tensor
         coordinate and pipeline stage, so its parameters are still its own.
         Gradients start at zero. Collective over ``config.comm``.
@@ -213,48 +214,28 @@ def _factory_problem(factory: Callable[..., Any]) -> str | None:
             f"{' and no '.join(missing)}{hint}")
 
 
-class HybridShardedOptimizer:
-    """The data-parallel side of 3D parallelism.
+class HybridCore:
+    """What a data-parallel core needs to run on a shard of a
+    :class:`HybridShardedModel` (mixed in before :class:`~mpishard.parallel.DDPCore`
+    or :class:`~mpishard.parallel.ZeRO2Core`).
 
-    ``HybridShardedOptimizer(optimizer, config, data_parallel="ddp" | "zero2",
-    model=..., **options)`` synchronises gradients of a :class:`HybridShardedModel`
-    over the data-parallel group with DDP (Allreduce) or ZeRO-2 (Reduce_scatter,
-    sharded state, Allgatherv), takes the pipeline's micro-batches into account in
-    the gradient average, and computes the global gradient norm for clipping over
-    the whole job, counting every logical parameter once: split tensors by their
-    slices, tensors replicated over the tensor group on tensor rank 0 only, and
-    each data-parallel rank its shard of the reduced gradient. The step's totals
-    (loss, rows, norm, non-finite flags) are reduced over the world in one
-    small ``Allreduce``. The other options (``nonfinite`` included) and every
-    method are those of :class:`~mpishard.strategies.DDPOptimizer`.
+    It takes the pipeline's micro-batches into account in the gradient average
+    and computes the global gradient norm for clipping over the whole job,
+    counting every logical parameter once: split tensors by their slices,
+    tensors replicated over the tensor group on tensor rank 0 only, and each
+    data-parallel rank its shard of the reduced gradient. The step's totals
+    (loss, rows, norm, non-finite flags) are reduced over the world in one small
+    ``Allreduce``. ``config`` defaults to the model's.
     """
 
-    #: The class built for each ``data_parallel`` value. Set on the class that
-    #: dispatches (here, below its variants; the public facade sets its own);
-    #: a variant does not define it and is built as itself.
-    _variants: dict[str, type] = {}
-
-    def __new__(cls, optimizer: Any, config: ShardingConfiguration | None = None, *,
-                data_parallel: str = "ddp", **kwargs: Any):
-        variants = cls.__dict__.get("_variants")
-        if variants is None:
-            return super().__new__(cls)
-        if data_parallel not in variants:
-            raise ValueError(f"data_parallel must be one of {', '.join(variants)}, "
-                             f"got {data_parallel!r}")
-        return super().__new__(variants[data_parallel])
-
-
-class _HybridMixin:
-    """What the data-parallel strategies need to run on a model shard."""
-
     _model_parallel = True
+    public = "HybridShardedOptimizer"
 
     def __init__(self, optimizer: Any, config: ShardingConfiguration | None = None, *,
-                 data_parallel: str | None = None, model: Any = None, **kwargs: Any) -> None:
+                 model: Any = None, **options: Any) -> None:
         if config is None and model is not None:
             config = model.config
-        super().__init__(optimizer, config, model=model, **kwargs)
+        super().__init__(optimizer, config, model=model, **options)
 
     def _setup(self) -> None:
         super()._setup()
@@ -277,13 +258,13 @@ class _HybridMixin:
                             self.config.groups.coordinates.tp)
 
 
-class HybridDDPOptimizer(_HybridMixin, DDPOptimizer, HybridShardedOptimizer):
+class HybridDDPCore(HybridCore, DDPCore):
     """DDP over the data group of a :class:`HybridShardedModel`."""
 
     strategy = "hybrid-ddp"
 
 
-class HybridZeRO2Optimizer(_HybridMixin, ZeRO2Optimizer, HybridShardedOptimizer):
+class HybridZeRO2Core(HybridCore, ZeRO2Core):
     """ZeRO-2 over the data group of a :class:`HybridShardedModel`.
 
     The pipeline accumulates the micro-batches' gradients in the stage's gradient
@@ -294,4 +275,5 @@ class HybridZeRO2Optimizer(_HybridMixin, ZeRO2Optimizer, HybridShardedOptimizer)
     strategy = "hybrid-zero2"
 
 
-HybridShardedOptimizer._variants = {"ddp": HybridDDPOptimizer, "zero2": HybridZeRO2Optimizer}
+#: The hybrid core for each ``data_parallel`` value of ``HybridShardedOptimizer``.
+HYBRID_CORES: dict[str, type[HybridCore]] = {"ddp": HybridDDPCore, "zero2": HybridZeRO2Core}

@@ -41,15 +41,15 @@ What holds: parameters, optimizer state and losses are bitwise equal for every
 data-parallel size that divides the unit count, DDP or ZeRO-2 (both reduce
 methods), any gradient accumulation on unit boundaries, with or without
 clipping, pipeline sizes and schedules at one tensor-parallel size, and
-across a checkpoint restart or resize (state is stored exactly). Tensor-parallel sizes change how a layer's matrix products are
-cut, hence the bits.
+across a checkpoint restart or resize (state is stored exactly). Tensor-parallel
+sizes change how a layer's matrix products are cut, hence the bits.
 
 Costs: one forward/backward per unit (a unit's weight-gradient product writes
 the whole gradient, whatever its rows); with few units a rank, a copy of each
 unit's gradient but the last, and a pass of :func:`exact_sum` over the
 received pieces; with many, a deposit per unit and ``K`` words per element.
 The fewer units a rank computes, the closer to the default step:
-``scripts/bench_reproducible.py`` measures it.
+``benchmarks/bench_reproducible.py`` measures it.
 """
 
 from __future__ import annotations

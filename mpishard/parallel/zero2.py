@@ -1,7 +1,8 @@
-"""``ZeRO2Optimizer``: gradients and optimizer state sharded over the data group."""
+"""``ZeRO2Core``: gradients and optimizer state sharded over the data group."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..comm import FlatComm, Handle
@@ -10,10 +11,10 @@ from ..comm.timing import reduce_once, time_alternatives
 from ..errors import MpiShardError
 from ..flat import Range, shard_ranges
 from ..protocols import Model
-from .base import DataParallelOptimizer, _nbytes
+from .base import DataParallelCore, DataParallelOptions, _nbytes
 from .repro import WordShards
 
-__all__ = ["REDUCE_METHODS", "ZeRO2Optimizer", "choose_reduce_method"]
+__all__ = ["REDUCE_METHODS", "ZeRO2Core", "ZeRO2Options", "choose_reduce_method"]
 
 #: Ways of reducing a bucket to its shards.
 REDUCE_METHODS = ("reduce_scatter", "allreduce")
@@ -22,7 +23,34 @@ REDUCE_METHODS = ("reduce_scatter", "allreduce")
 _SLOTS = 2
 
 
-class ZeRO2Optimizer(DataParallelOptimizer):
+@dataclass(frozen=True)
+class ZeRO2Options(DataParallelOptions):
+    """:class:`~mpishard.parallel.base.DataParallelOptions` and ZeRO-2's own.
+
+    Attributes:
+        reduce_method: ``"auto"`` (measure both at attach, on a bucket-sized
+            buffer, and keep the faster), ``"reduce_scatter"`` or ``"allreduce"``.
+            Both give the same sum up to rounding; on 3 or more ranks they may
+            add in a different order, so pin one where two runs must agree bit
+            for bit, or train with ``ShardingConfiguration(reproducible=True)``.
+        buddy_copies: with fault tolerance on, each rank keeps copies of its
+            right neighbour's shard (parameters and optimizer state) and of its
+            own from before the update (:class:`~mpishard.recovery.ShardBuddy`),
+            so a rank lost at any point of a step is recovered exactly; False: a
+            lost shard rolls back to the newest checkpoint.
+    """
+
+    reduce_method: str = "auto"
+    buddy_copies: bool = True
+
+    def problem(self) -> str | None:
+        if self.reduce_method not in ("auto",) + REDUCE_METHODS:
+            return (f"reduce_method must be 'auto' or one of {REDUCE_METHODS}, "
+                    f"got {self.reduce_method!r}")
+        return super().problem()
+
+
+class ZeRO2Core(DataParallelCore):
     """ZeRO stage 2: each data-parallel rank keeps 1/N of gradients and state.
 
     The flat vector is cut into N contiguous shards (:func:`~mpishard.flat.shard_ranges`;
@@ -46,26 +74,21 @@ class ZeRO2Optimizer(DataParallelOptimizer):
     does at stage 2); :meth:`no_sync` is not available, since skipping the
     reduction would need the full gradient.
 
-    Args: as :class:`~mpishard.strategies.DDPOptimizer` (``nonfinite`` included), and
-        reduce_method: ``"auto"`` (measure both at attach, on a bucket-sized
-            buffer, and keep the faster), ``"reduce_scatter"`` or ``"allreduce"``.
-            Both give the same sum up to rounding; on 3 or more ranks they may
-            add in a different order, so pin one where two runs must agree bit
-            for bit (a restarted job and its reference), or train with
-            ``ShardingConfiguration(reproducible=True)``, where both give the
-            same bits as DDP at any size (:mod:`mpishard.parallel.repro`).
+    Args and options: :class:`~mpishard.parallel.base.DataParallelCore`'s, and
+    :class:`ZeRO2Options` (``reduce_method``, ``buddy_copies``).
     """
 
     strategy = "zero2"
+    public = "ZeRO2Optimizer"
     _slots = _SLOTS
 
-    def __init__(self, optimizer, config=None, *, reduce_method: str = "auto", **kwargs) -> None:
-        if reduce_method not in ("auto",) + REDUCE_METHODS:
-            raise ValueError(f"reduce_method must be 'auto' or one of {REDUCE_METHODS}, "
-                             f"got {reduce_method!r}")
-        self.reduce_method = reduce_method
+    Options = ZeRO2Options
+
+    def __init__(self, optimizer: Any, config: Any = None, *, model: Model | None = None,
+                 **options: Any) -> None:
+        #: reduce_method="auto": the times measured at attach, by method.
         self.reduce_timings: dict[str, float] = {}
-        super().__init__(optimizer, config, **kwargs)
+        super().__init__(optimizer, config, model=model, **options)
 
     # --- setting up ----------------------------------------------------------
     def _setup(self) -> None:
@@ -93,20 +116,25 @@ class ZeRO2Optimizer(DataParallelOptimizer):
             model.set_backward_hooks(buckets)
         else:
             buckets.vector = model.grads
-        if self.reduce_method == "auto":
+        if self.reduce_method == "auto":   # chosen once: a rebuild keeps the choice
             self.reduce_method = choose_reduce_method(
                 dp, max(len(b) for b in buckets.ranges), dtype, xp, self.reduce_timings,
                 blocking=not self.bucketed)
         # That reduction over the data group, or in two levels (inside the nodes,
         # then across) where that measured faster at this bucket size.
-        if getattr(self, "reducer", None) not in (None, dp):
-            self.reducer.free()   # attached before
+        self._release()   # attached before
         self.reduction_timings: dict[str, Any] = {}
         self.reducer = dp if self.config.reproducible else choose_reduction(
             dp, max(len(b) for b in buckets.ranges), dtype, xp,
             kind="allreduce" if self.reduce_method == "allreduce" else "reduce_scatter",
             blocking=not self.bucketed, nodes=self.config.groups.nodes,
             record=self.reduction_timings)
+
+    def _release(self) -> None:
+        reducer = getattr(self, "reducer", None)
+        if reducer is not None and reducer is not self.dp:
+            reducer.free()
+        self.reducer = None
 
     def _probe_kind(self) -> str:
         # overlap="auto" is decided before reduce_method="auto" (which is measured
@@ -215,7 +243,7 @@ class ZeRO2Optimizer(DataParallelOptimizer):
         keys ``"params"`` and the state's; :attr:`previous_step`: the step they
         hold), so that a step interrupted after some ranks updated (a rank lost
         in the parameter ``Allgatherv``) can be undone exactly
-        (:mod:`mpishard.parallel.shardcopy`). Costs one more shard of the
+        (:mod:`mpishard.recovery.shardcopy`). Costs one more shard of the
         parameters and of the state, and one copy of them per step. Local."""
         if self.previous is None:
             xp = self.xp

@@ -25,7 +25,7 @@ class PipelineStage:
     simulates it). Collective over ``pp``.
 
     The stage model implements the stage API of
-    :class:`~mpishard.nn.sharding.ShardedSequential`.
+    :class:`~mpishard.nn.stack.LayerStack`.
     """
 
     def __init__(self, model: Any, pp: FlatComm, micro_batches: int, schedule_name: str) -> None:

@@ -1,12 +1,7 @@
-"""What a run shows and records: a tqdm bar on rank 0, epoch lines, metrics JSON lines.
+"""The pieces of what a run shows: the metrics file, a tqdm bar, clocks, memory.
 
-The metrics file holds one JSON object a line, each with an ``"event"``:
-``start``, ``step`` (every ``log_every`` steps: mean loss since the last
-record, learning rate, samples/s), ``epoch`` (mean loss of the epoch, the
-validation loss), ``checkpoint``, ``recovered`` (a lost rank the run went on
-without, fault tolerance on: ``lost_ranks``, ``step``, ``world_size``,
-``seconds``, ...) and ``end``. A resumed run appends to it.
-Only rank 0 writes or prints; nothing here communicates.
+:class:`~mpishard.train.reporting.Reporter` uses them; the metrics records are
+listed on the docs site's training-loop page. Nothing here communicates.
 """
 
 from __future__ import annotations
@@ -37,14 +32,27 @@ class Metrics:
         return self._file is not None
 
     def record(self, event: str, **values: Any) -> None:
+        """One JSON line; a NaN or infinite number is written as ``null`` (strict JSON)."""
         if self._file is not None:
-            self._file.write(json.dumps({"event": event, **values}) + "\n")
+            self._file.write(json.dumps(_strict({"event": event, **values}),
+                                        allow_nan=False) + "\n")
             self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _strict(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None, at any depth."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
 
 
 def progress_bar(total: int | None, initial: int, label: str, out: TextIO) -> Any:

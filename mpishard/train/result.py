@@ -14,7 +14,10 @@ class TrainResult:
     Attributes:
         losses: the global mean loss (over the rows of the global batch) of each
             step this call ran.
-        steps: optimizer steps this call ran.
+        steps: optimizer steps this call took (updates; a step refused with
+            ``nonfinite="skip"`` is not one, as in ``step_count``).
+        skipped_steps: steps this call refused (``nonfinite="skip"``); their
+            losses are in ``losses`` too.
         epochs: epochs complete in total when the call returned (counting from
             epoch 0, so those before a resume count too).
         seconds: wall-clock seconds of the loop.
@@ -32,11 +35,12 @@ class TrainResult:
         recoveries: one ``recovered`` event (a dict: ``lost_ranks``, ``step``,
             ``world_size``, ``seconds``, ...) per lost rank this call went on
             without, in place (fault tolerance on; see
-            :func:`~mpishard.parallel.recovery.recover_in_place`); empty otherwise.
+            :func:`~mpishard.recovery.recover_in_place`); empty otherwise.
     """
 
     losses: list[float] = field(default_factory=list)
     steps: int = 0
+    skipped_steps: int = 0
     epochs: int = 0
     seconds: float = 0.0
     samples: int = 0

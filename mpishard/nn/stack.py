@@ -1,0 +1,461 @@
+"""``LayerStack``: a contiguous range of a model's top-level layers on one flat vector.
+
+Every serial model of :mod:`mpishard.nn` (``Sequential``/``MLP``, ``GPT``,
+``ParallelMLP``) is a ``LayerStack`` of all its layers; a pipeline stage is one of
+the range ``[start, stop)``, named and initialised exactly as in the whole model,
+run through the stage API (``forward_stage``, ``loss``, ``backward_stage``) that
+pipeline schedules are written on. Tensor names do not depend on the partition:
+``"3.attn.wq"`` is called that in the serial model, in every tensor-parallel rank
+(which holds a slice of it, :class:`~mpishard.nn.shards.TensorShard`) and in the
+stage that holds layer 3.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..backend import array_namespace
+from ..flat import ParamLayout, Range
+from ..protocols import BackwardHooks
+from .activations import pair_bias_activations
+from .base import BatchContext, Layer
+from .losses import Loss
+from .shards import TensorShard
+
+__all__ = ["LayerStack"]
+
+
+# -- a range of top-level layers: the model and pipeline-stage class -------------------
+
+_FORWARD, _LOSS, _DONE = "forward", "loss", "backward"
+
+
+@dataclass
+class _Workspace:
+    """Every buffer of one micro-batch slot (or of inference) for one input shape."""
+
+    shape: tuple[int, ...]
+    x: Any                              # the stage input, copied in
+    layers: list[dict[str, Any]]
+    out_shape: tuple[int, ...]
+    loss: dict[str, Any] | None         # the criterion's buffers (last stage, training)
+    dy: Any = None                      # the incoming output gradient, copied in
+    out: Any = None
+    grad_out: Any = None                # d(loss)/d(output) left by loss()
+    state: str = _DONE
+
+
+class LayerStack:
+    """Top-level layers ``[start, stop)`` of a model, each possibly tensor-parallel.
+
+    The base class of :class:`~mpishard.nn.GPT` and
+    :class:`~mpishard.nn.ParallelMLP`, usable with any list of
+    :class:`~mpishard.nn.Layer`. ``layers`` is the list of the **whole** model;
+    ``stage_layers=(start, stop)`` builds only those layers (a pipeline stage),
+    ``None`` all of them. Tensors are named ``"<i>.<name>"`` by the layer's index
+    ``i`` in the whole model and layer ``i`` draws its initial values from
+    ``numpy.random.default_rng([seed, i])``, so a stage holds exactly the
+    tensors, with exactly the values, that the whole model holds for its layers.
+    A tensor-parallel layer draws its full logical tensors from that stream and
+    keeps its slice (see :meth:`tensor_shards`).
+
+    Activations between layers may have any shape (``(rows, features)`` for an
+    MLP, ``(batch, tokens, d_model)`` for a GPT). The loss is the mean over all
+    positions but the last axis of the final output (rows; or batch x tokens).
+
+    **Whole model** (``stage_layers`` None or covering every layer): the
+    :class:`~mpishard.protocols.BucketedModel` protocol, ``forward(x)`` and
+    ``forward_backward(x, y, accumulate=False, loss_scale=1.0)``.
+
+    **Stage API**, for pipeline schedules (GPipe, 1F1B). ``micro`` names a
+    micro-batch slot: each slot has its own activations, allocated on its first
+    use (and when its input shape changes) and reused afterwards, so any number
+    of micro-batches can be in flight, and a schedule that reuses slot numbers
+    ``0 .. M-1`` every step allocates nothing after the first step.
+
+    * ``forward_stage(x, micro)``: runs the stage's layers on ``x`` (copied in,
+      so the caller may reuse its receive buffer) and returns the output
+      activations, a buffer of the slot that stays valid until the slot's next
+      ``forward_stage``. Consumes the batch context of
+      :meth:`set_batch_context`: set it before each micro-batch when the model
+      has dropout (step, the micro-batch's first row in the global batch, and
+      the global batch size).
+    * ``loss(y, micro)`` (last stage only): the mean loss of the slot's output
+      against ``y``; keeps d(loss)/d(output) for ``backward_stage``.
+    * ``backward_stage(grad_out, micro, accumulate=False)``: backward through
+      the stage from ``grad_out`` (d(loss)/d(output), copied in; ``None`` on the
+      last stage: from ``loss``). Gradients overwrite the gradient views, or are
+      added with ``accumulate=True`` (every micro-batch after a step's first).
+      Backward hooks are called as in ``forward_backward``. Returns
+      d(loss)/d(input) of the stage, a buffer of the slot (valid until its next
+      backward), or ``None`` on the first stage (no one needs the gradient of
+      the data).
+
+    Each micro-batch loss is its own mean: a schedule running ``M`` equal
+    micro-batches scales the accumulated gradient by ``1 / M`` (as the
+    data-parallel strategies do with ``grad_scale``). ``stage_input_shape`` and
+    ``stage_output_shape`` give the activation shapes a schedule sends and
+    receives, from the shape of the model's input batch.
+
+    Raises:
+        TypeError: ``dtype`` is not float32 or float64.
+        ValueError: no layers, a bad ``stage_layers``, or no loss for the last stage.
+    """
+
+    def __init__(self, layers: Sequence[Layer], loss: Loss | None, dtype: Any = np.float64,
+                 xp: Any = np, seed: int = 0, *,
+                 stage_layers: tuple[int, int] | None = None) -> None:
+        dt = np.dtype(dtype)
+        if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"expecting dtype float32 or float64, got {dt}")
+        n = len(layers)
+        if n == 0:
+            raise ValueError("expecting at least one layer, got none")
+        bounds = (0, n) if stage_layers is None else tuple(int(i) for i in stage_layers)
+        start, stop = bounds if len(bounds) == 2 else (0, 0)
+        if not 0 <= start < stop <= n:
+            raise ValueError(f"expecting stage_layers (start, stop) with 0 <= start < stop <= "
+                             f"{n} (the model's top-level layers), got {stage_layers}")
+        if stop == n and loss is None:
+            raise ValueError("the last stage needs a loss, got None")
+        self.num_layers = n
+        self.stage_layers = (start, stop)
+        self.all_layers = list(layers)      # unbuilt outside the stage: shapes only
+        self.layers = self.all_layers[start:stop]
+        self.criterion = loss if stop == n else None
+        self.dtype = dt
+        self.seed = int(seed)
+
+        self.layout = ParamLayout()
+        self._names: list[list[tuple[str, str]]] = []    # per layer: (local, global)
+        for i, layer in enumerate(self.layers, start):
+            names = []
+            for local, shape in layer.param_shapes():
+                self.layout.add(f"{i}.{local}", shape)
+                names.append((local, f"{i}.{local}"))
+            self._names.append(names)
+        self.params = self.layout.allocate(dt, xp)
+        self.grads = self.layout.allocate(dt, xp)
+        self.xp = array_namespace(self.params)
+
+        self._ranges: list[Range | None] = []
+        for j, layer in enumerate(self.layers):
+            i = start + j
+            views = {local: self.layout.view(self.params, name) for local, name in self._names[j]}
+            layer.build(i, self.xp, dt, views)
+            layer.init_params(np.random.default_rng([self.seed, i]))
+            specs = [self.layout[name] for _, name in self._names[j]]
+            self._ranges.append(Range(specs[0].offset, specs[-1].range.stop) if specs else None)
+        # act(x @ W + b) in one pass where an activation follows a Linear.
+        pair_bias_activations(self.layers)
+        if self.criterion is not None:
+            self.criterion.build(self.xp, dt)
+        self._grad_views = self._views_of(lambda name: self.layout.view(self.grads, name))
+
+        # The first stage stops its backward at its first layer with parameters:
+        # nothing needs the gradient of the data. Later stages go down to their
+        # first layer and return the gradient of their input.
+        with_params = [j for j, r in enumerate(self._ranges) if r is not None]
+        self._first_param = with_params[0] if with_params else len(self.layers)
+
+        self._hooks: BackwardHooks | None = None
+        self._context: BatchContext | None = None
+        self._calls = 0
+        self._workspaces: dict[tuple[bool, int], _Workspace] = {}
+        self._scratch: list[dict[str, Any]] | None = None
+
+    # -- where this stage sits ------------------------------------------------------
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage_layers[0] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_layers[1] == self.num_layers
+
+    def stage_input_shape(self, batch_shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of this stage's input when the model's input has ``batch_shape``."""
+        return self._shape_after(tuple(batch_shape), self.stage_layers[0])
+
+    def stage_output_shape(self, batch_shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of this stage's output when the model's input has ``batch_shape``."""
+        return self._shape_after(tuple(batch_shape), self.stage_layers[1])
+
+    def tensor_shards(self) -> dict[str, TensorShard]:
+        """Which slice of which logical tensor each local tensor is, by name, in layout order."""
+        out: dict[str, TensorShard] = {}
+        for layer, names in zip(self.layers, self._names):
+            local = layer.local_shards()
+            for lname, gname in names:
+                shard = local.get(lname)
+                out[gname] = (TensorShard.full(gname, self.layout[gname].shape) if shard is None
+                              else shard.renamed(gname))
+        return out
+
+    # -- the Model protocol -----------------------------------------------------------
+
+    def forward(self, x: Any) -> Any:
+        """The stage's output for ``x`` without dropout (the logits, for a whole model).
+
+        Returns a new array: the internal buffer is reused by the next call.
+        """
+        ws = self._workspace(x, train=False, micro=0)
+        h = ws.x
+        for layer, buf in zip(self.layers, ws.layers):
+            h = layer.forward(h, buf, None)
+        return h.copy()
+
+    def forward_backward(self, x: Any, y: Any, *, accumulate: bool = False,
+                         loss_scale: float = 1.0) -> float:
+        """Mean loss over the positions of ``x``; gradients into the gradient views.
+
+        The gradients, of ``loss_scale`` times the mean loss, overwrite what the
+        views hold, or are added to it with ``accumulate=True``. (A data-parallel
+        strategy passes a rank's row count, so that ranks with unequal batches
+        are weighted by their rows: scaling d(loss)/d(output), a buffer of one
+        value per output, costs nothing beside the backward.) Uses micro-batch
+        slot 0 of the stage API.
+
+        Raises:
+            RuntimeError: this is a pipeline stage, not the whole model.
+            ValueError, TypeError: ``x`` or ``y`` do not fit the model.
+        """
+        if not (self.is_first_stage and self.is_last_stage):
+            raise RuntimeError(f"forward_backward needs the whole model; this stage holds "
+                               f"layers {list(self.stage_layers)} of {self.num_layers}: use "
+                               f"forward_stage, loss and backward_stage")
+        self.forward_stage(x, 0)
+        loss = self._loss(y, 0, loss_scale)
+        self.backward_stage(None, 0, accumulate=accumulate)
+        return float(loss)  # after the backward is queued: a GPU is not made to wait
+
+    # -- the stage API ------------------------------------------------------------------
+
+    def forward_stage(self, x: Any, micro: int = 0) -> Any:
+        """Run the stage on ``x`` in micro-batch slot ``micro``; return its output buffer.
+
+        Raises:
+            ValueError, TypeError: ``x`` does not fit the stage's first layer.
+        """
+        ws = self._workspace(x, train=True, micro=micro)
+        ctx = self._take_context(ws.shape[0])
+        h = ws.x
+        for layer, buf in zip(self.layers, ws.layers):
+            h = layer.forward(h, buf, ctx)
+        ws.out, ws.grad_out, ws.state = h, None, _FORWARD
+        return h
+
+    def loss(self, y: Any, micro: int = 0, *, scale: float = 1.0) -> float:
+        """Mean loss of slot ``micro``'s output against ``y``. Last stage only.
+
+        The backward that follows starts from the gradient of ``scale`` times
+        the mean loss (the value returned is the plain mean).
+
+        Raises:
+            RuntimeError: not the last stage, or no ``forward_stage`` in the slot.
+            ValueError, TypeError: ``y`` does not fit the output.
+        """
+        return float(self._loss(y, micro, scale))
+
+    def backward_stage(self, grad_out: Any = None, micro: int = 0, *,
+                       accumulate: bool = False) -> Any:
+        """Backward through the stage for slot ``micro``; the input gradient or None.
+
+        Raises:
+            RuntimeError: the slot has no forward to go back through (or, with
+                ``grad_out=None``, no loss).
+            ValueError: ``grad_out`` does not have the output's shape.
+        """
+        ws = self._train_workspace(micro, "backward_stage")
+        if grad_out is None:
+            if ws.state != _LOSS:
+                raise RuntimeError(f"backward_stage(None, {micro}) starts from the loss: call "
+                                   f"loss(y, {micro}) first (last stage), or pass grad_out")
+            dy = ws.grad_out
+        else:
+            if ws.state not in (_FORWARD, _LOSS):
+                raise RuntimeError(f"micro-batch slot {micro}: backward_stage without a "
+                                   f"forward_stage since its last backward")
+            grad_out = self.xp.asarray(grad_out)
+            if tuple(grad_out.shape) != ws.out_shape:
+                raise ValueError(f"expecting grad_out of the output's shape {ws.out_shape}, "
+                                 f"got {tuple(grad_out.shape)}")
+            if ws.dy is None:
+                ws.dy = self.xp.empty(ws.out_shape, dtype=self.dtype)
+            ws.dy[...] = grad_out      # layers overwrite their dy: never the caller's
+            dy = ws.dy
+        ws.state = _DONE
+        return self._backward(dy, ws, accumulate)
+
+    def activation_bytes(self) -> int:
+        """Bytes held by the training workspaces of every micro-batch slot
+        (activations, their gradients and the loss's buffers)."""
+        total = 0
+        for (train, _), ws in self._workspaces.items():
+            if not train:
+                continue
+            arrays = [ws.x, ws.dy] + [a for d in ws.layers for a in d.values()]
+            arrays += list(ws.loss.values()) if ws.loss else []
+            total += sum(int(getattr(a, "nbytes", 0)) for a in arrays if a is not None)
+        return total
+
+    # -- the BucketedModel protocol -------------------------------------------------------
+
+    def bind_gradients(self, view: Callable[[str], Any]) -> None:
+        """Write the gradient of tensor ``name`` into ``view(name)`` from now on.
+
+        ``view`` is called once per tensor, here; ``grads`` becomes ``None``.
+
+        Raises:
+            ValueError: a view has the wrong shape.
+            TypeError: a view has the wrong dtype or backend.
+        """
+        def checked(name: str) -> Any:
+            v = view(name)
+            shape = self.layout[name].shape
+            if tuple(v.shape) != shape:
+                raise ValueError(f"gradient view of {name!r}: expecting shape {shape}, "
+                                 f"got {tuple(v.shape)}")
+            if v.dtype != self.dtype or array_namespace(v) is not self.xp:
+                raise TypeError(f"gradient view of {name!r}: expecting {self.xp.__name__} "
+                                f"{self.dtype}, got {array_namespace(v).__name__} {v.dtype}")
+            return v
+
+        self._grad_views = self._views_of(checked)
+        self.grads = None
+
+    def set_backward_hooks(self, hooks: BackwardHooks | None) -> None:
+        """Call ``hooks.before(r)`` / ``hooks.after(r)`` around each layer's gradient
+        writes (``r``: the world range of the layer's tensors), layers last to first."""
+        self._hooks = hooks
+
+    def set_batch_context(self, step: int, start: int, global_size: int) -> None:
+        """The next forward sees rows ``[start, start + len(x))`` of step ``step``'s global batch.
+
+        Applies to one ``forward_backward`` or ``forward_stage``. Without it the
+        step is the number of earlier training forwards and the batch is the
+        whole global batch.
+
+        Raises:
+            ValueError: a negative number, or ``start > global_size``.
+        """
+        if step < 0 or start < 0 or global_size < 0 or start > global_size:
+            raise ValueError(f"expecting 0 <= start <= global_size and step >= 0, got "
+                             f"step={step}, start={start}, global_size={global_size}")
+        self._context = BatchContext(int(step), int(start), int(global_size))
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _views_of(self, view: Callable[[str], Any]) -> list[dict[str, Any]]:
+        return [{local: view(name) for local, name in names} for names in self._names]
+
+    def _shape_after(self, shape: tuple[int, ...], stop: int) -> tuple[int, ...]:
+        for layer in self.all_layers[:stop]:
+            shape = tuple(layer.output_shape(shape))
+        return shape
+
+    def _need_dx(self, j: int) -> bool:
+        return j > self._first_param or not self.is_first_stage
+
+    def _workspace(self, x: Any, train: bool, micro: int) -> _Workspace:
+        """The slot's workspace for ``x``'s shape, with ``x`` copied into it."""
+        xp, first = self.xp, self.layers[0]
+        x = xp.asarray(x)
+        if first.index_input and x.dtype.kind not in "iu":
+            raise TypeError(f"layer {first.index} ({type(first).__name__}) expects integer "
+                            f"indices, got dtype {x.dtype}")
+        key = (train, int(micro))
+        ws = self._workspaces.get(key)
+        if ws is None or ws.shape != tuple(x.shape):
+            ws = self._workspaces[key] = self._make_workspace(tuple(x.shape), train)
+        ws.x[...] = x
+        return ws
+
+    def _make_workspace(self, shape: tuple[int, ...], train: bool) -> _Workspace:
+        xp = self.xp
+        dtype = np.int64 if self.layers[0].index_input else self.dtype
+        x = xp.empty(shape, dtype=dtype)
+        buffers = []
+        for j, layer in enumerate(self.layers):
+            out_shape = tuple(layer.output_shape(shape))     # raises on a misfit
+            buffers.append(layer.allocate_shape(shape, train, self._need_dx(j)))
+            shape = out_shape
+        loss = None
+        if train and self.criterion is not None:
+            loss = self.criterion.allocate(math.prod(shape[:-1]), shape[-1])
+        return _Workspace(tuple(x.shape), x, buffers, shape, loss)
+
+    def _train_workspace(self, micro: int, what: str) -> _Workspace:
+        ws = self._workspaces.get((True, int(micro)))
+        if ws is None or ws.state == _DONE:
+            raise RuntimeError(f"{what}: micro-batch slot {micro} has no forward_stage to "
+                               f"follow (none yet, or its backward is done)")
+        return ws
+
+    def _loss(self, y: Any, micro: int, scale: float = 1.0) -> Any:
+        if self.criterion is None:
+            raise RuntimeError(f"loss() is computed on the last stage; this stage holds "
+                               f"layers {list(self.stage_layers)} of {self.num_layers}")
+        ws = self._train_workspace(micro, "loss")
+        lead = ws.out_shape[:-1]
+        y = self.xp.asarray(y)
+        if tuple(y.shape[:len(lead)]) != lead:
+            raise ValueError(f"expecting targets whose leading shape is the output's "
+                             f"{lead}, got shape {tuple(y.shape)}")
+        rows, features = math.prod(lead), ws.out_shape[-1]
+        y = y.reshape((rows,) + tuple(y.shape[len(lead):]))
+        target = self.criterion.check_target(y, rows, features)
+        value, grad = self.criterion.loss_and_grad(ws.out.reshape(rows, features), target,
+                                                   ws.loss)
+        if scale != 1.0:
+            grad *= scale          # d(loss)/d(output): one value per output, in place
+        ws.grad_out, ws.state = grad.reshape(ws.out_shape), _LOSS
+        return value
+
+    def _take_context(self, rows: int) -> BatchContext:
+        ctx, self._context = self._context, None
+        if ctx is None:
+            ctx = BatchContext(self._calls, 0, rows)
+        elif ctx.start + rows > ctx.global_size:
+            raise ValueError(f"batch context: rows [{ctx.start}, {ctx.start + rows}) do not "
+                             f"fit a global batch of {ctx.global_size}")
+        self._calls += 1
+        return ctx
+
+    def _accumulation_scratch(self) -> list[dict[str, Any]]:
+        # One buffer as large as the largest tensor serves every tensor: each is
+        # computed there and added to its gradient before the next one is.
+        if self._scratch is None:
+            flat = self.xp.empty(max((s.size for s in self.layout), default=0), dtype=self.dtype)
+            self._scratch = self._views_of(
+                lambda name: flat[:self.layout[name].size].reshape(self.layout[name].shape))
+        return self._scratch
+
+    def _backward(self, dy: Any, ws: _Workspace, accumulate: bool) -> Any:
+        """Layers last to first: parameter gradients between the hooks, then dx."""
+        hooks = self._hooks
+        scratch = self._accumulation_scratch() if accumulate else None
+        stop = self._first_param if self.is_first_stage else 0
+        for j in range(len(self.layers) - 1, stop - 1, -1):
+            layer, buf, r = self.layers[j], ws.layers[j], self._ranges[j]
+            if r is not None:
+                if hooks is not None:
+                    hooks.before(r)
+                layer.backward_params(dy, buf, self._grad_views[j],
+                                      None if scratch is None else scratch[j])
+                if hooks is not None:
+                    hooks.after(r)
+            if self._need_dx(j):
+                dy = layer.backward_input(dy, buf)
+        return None if self.is_first_stage else dy
+
+    def __repr__(self) -> str:
+        inner = ", ".join(repr(layer) for layer in self.layers)
+        return (f"{type(self).__name__}([{inner}], stage_layers={self.stage_layers}, "
+                f"loss={self.criterion!r}, dtype={self.dtype.name}, params={self.layout.size})")

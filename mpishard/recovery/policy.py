@@ -1,0 +1,103 @@
+"""``Recovery``: the training loop's one object for a lost rank (fault tolerance on)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..checkpoint import CheckpointManager
+from ..comm import ulfm
+from ..errors import HandOver
+from ..exitcodes import EXIT_STOPPED
+from ..parallel import ZeRO2Core
+from ..protocols import StrategyCore
+from .common import StepMarks
+from .inplace import recover_in_place
+from .shardcopy import ShardBuddy
+
+__all__ = ["Recovery"]
+
+
+class Recovery:
+    """What the training loop does about a lost rank: keep what a recovery needs
+    after every step (:meth:`after_step`), and go on over the survivors when a
+    step fails (:meth:`recover`). Inactive (costs nothing) where fault tolerance
+    is off.
+
+    Args:
+        core: the strategy core being trained.
+        checkpoints: where ZeRO-2 without a copy of the lost shard rolls back from.
+        save: the loop's checkpoint writer (``save(reason) -> path``), used before
+            a hand-over for too few workers.
+        label: the run's name, first in a hand-over's line.
+        min_workers: fewer survivors than this hand over (exit 75) after a
+            checkpoint.
+    """
+
+    def __init__(self, core: StrategyCore, checkpoints: CheckpointManager | None,
+                 save: Callable[[str], Any], label: str = "train",
+                 min_workers: int = 1) -> None:
+        self.core = core
+        self.checkpoints = checkpoints
+        self.save = save
+        self.label = label
+        self.min_workers = min_workers
+        self.active = ulfm.is_on(core.config.world)
+        self.marks = StepMarks(core.step_count, core.skipped_steps, core.data_position)
+        self.buddy = self._new_buddy()
+
+    def _new_buddy(self) -> ShardBuddy | None:
+        core = self.core
+        keep = self.active and isinstance(core, ZeRO2Core) and core.buddy_copies
+        return ShardBuddy(core) if keep else None
+
+    def after_step(self, position: dict[str, int]) -> None:
+        """After a completed step whose data position is ``position``: refresh the
+        buddy copies (collective over ``core.dp``, neighbours only) and remember
+        the position."""
+        if self.buddy is not None:
+            self.buddy.exchange()   # the lost shard survives with its neighbour
+        if self.active:
+            self.marks.record(self.core.step_count, self.core.skipped_steps, position)
+
+    def handles(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says a rank died and this run goes on without it."""
+        return self.active and ulfm.is_failure(exc)
+
+    def recover(self, exc: BaseException) -> dict[str, Any]:
+        """The core rebuilt over the survivors
+        (:func:`~mpishard.recovery.recover_in_place`), and the ``recovered`` event.
+        Collective over the survivors.
+
+        Raises:
+            HandOver: where the run cannot go on here (the message starts with
+                the label): no way to recover in place, fewer survivors than
+                ``min_workers`` (after a checkpoint), or this rank's replica was
+                dropped (exit 0).
+        """
+        try:
+            _, event = recover_in_place(self.core, exc, checkpoints=self.checkpoints,
+                                        buddy=self.buddy, marks=self.marks)
+        except HandOver as over:
+            raise self._labelled(over) from None
+        if self.buddy is not None:   # what the copies cost so far
+            event["buddy_bytes"], event["buddy_seconds"] = self.buddy.nbytes, self.buddy.seconds
+        core = self.core
+        self.buddy = self._new_buddy()
+        self.marks = StepMarks(core.step_count, core.skipped_steps, core.data_position)
+        world = core.config.world
+        if world.size < self.min_workers:
+            path = self.save("too-few-workers")
+            why = (f"{world.size} worker(s) left after losing world rank(s) "
+                   f"{event['lost_ranks']}, fewer than min_workers={self.min_workers}: "
+                   + (f"checkpoint {path} at step {core.step_count}" if path is not None
+                      else "no checkpoint folder, nothing saved"))
+            raise self._labelled(HandOver(why, exit_code=EXIT_STOPPED, speaker=world.rank == 0,
+                                          stopped="too-few-workers"))
+        return event
+
+    def _labelled(self, over: HandOver) -> HandOver:
+        if over.exit_code == 0:
+            return over
+        return HandOver(f"{self.label}: {over}; exiting with {over.exit_code} to be relaunched",
+                        exit_code=over.exit_code, speaker=over.speaker, stopped=over.stopped)

@@ -1,0 +1,192 @@
+"""Going on in place after a rank of a 3D layout died (ULFM): whole replicas dropped.
+
+A *replica* is the ``tp * pp`` ranks with one data-parallel coordinate: together
+they hold the whole model once. A lost rank held a tensor slice of one pipeline
+stage that only its own replica has, so the replicas that lost a member cannot
+go on; every other replica is whole. Dropping the broken ones leaves a layout
+with ``dp'`` = the whole replicas and the same ``tp`` and ``pp``, and every rank
+that stays keeps its own tensor coordinate and pipeline stage: its parameters
+are its own. Worked example, 8 ranks, tp=2, dp=2, pp=2 (``rank = (pp_rank * dp +
+dp_rank) * tp + tp_rank``): replica 0 is ranks {0, 1, 4, 5}, replica 1 is
+{2, 3, 6, 7}. World rank 6 dies: replica 1 is dropped (ranks 2, 3 and 7 leave,
+after helping), replica 0 goes on as a 4-rank job with dp=1, its ranks 0, 1, 4,
+5 renumbered 0, 1, 2, 3 (the split keeps the old order, so the ``tp-dp-pp``
+order of :mod:`mpishard.topology` still holds).
+
+The survivors of the whole replicas form a new world (a split in the old rank
+order) and configuration (the old options, errors returned); the model and the
+core are rebuilt over it as the same objects, each rank keeping its parameters.
+**Hybrid DDP** goes on from the newest step a kept rank of every (tensor, stage)
+coordinate completed (the update after the step's ``Allreduce`` is local: the
+survivors may differ by one), each coordinate taking parameters and state from
+its lowest kept rank at that step. **Hybrid ZeRO-2**: each (tensor, stage)
+data-parallel group, its alive ranks in dropped replicas included, puts its
+parameters and state together at the newest step every group can rebuild
+exactly (its survivors' shards and the buddy copies of the lost ones), resharded
+over the kept ranks. The step count, skipped steps and data position are that
+step's. The alive ranks of dropped replicas, once they have helped, raise
+:class:`~mpishard.errors.HandOver` with exit code 0 (each says its own line).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..comm import FlatComm, ulfm, world_rank
+from ..errors import HandOver
+from ..exitcodes import EXIT_STOPPED
+from ..parallel import HybridCore, HybridShardedModel, HybridZeRO2Core
+from ..topology import Topology
+from .common import StepMarks, error_text, put_state, survivors_config
+from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
+
+__all__ = ["drop_replicas", "whole_replicas"]
+
+
+def whole_replicas(topology: Topology, alive: Iterable[int]
+                   ) -> tuple[list[int], dict[int, list[int]]]:
+    """Which replicas of ``topology`` are whole when only the world ranks ``alive``
+    are left: ``(kept, lost)``, the whole replicas' data-parallel coordinates in
+    order (their new coordinates are their places in it) and, for each other
+    replica, its lost world ranks. Pure.
+
+    Example, 8 ranks, tp=2, dp=2, pp=2, rank 6 lost: ``([0], {1: [6]})``.
+    """
+    left = set(alive)
+    lost: dict[int, list[int]] = {}
+    for r in range(topology.world):
+        if r not in left:
+            lost.setdefault(topology.coordinates(r).dp, []).append(r)
+    return [d for d in range(topology.dp) if d not in lost], lost
+
+
+def drop_replicas(strategy: HybridCore, rec: ulfm.Recovery, *,
+                  buddy: ShardBuddy | None = None, marks: StepMarks | None = None,
+                  exc: BaseException | None = None) -> dict[str, Any]:
+    """After a rank failure in a 3D layout: drop every replica that lost a rank
+    and rebuild ``strategy`` and its model in place over the whole replicas (the
+    module docstring says how); the ``recovered`` event (``"from": "replica"``,
+    with ``dropped_ranks`` and ``data_parallel_size``). ``rec``: what
+    :func:`mpishard.comm.ulfm.recover` agreed; ``buddy``, ``marks``, ``exc``: as
+    :func:`~mpishard.recovery.recover_in_place`'s. Collective over ``rec.world``.
+
+    Raises:
+        HandOver: on every survivor (exit 75, rank 0 of ``rec.world`` speaks): no
+            replica is whole; hybrid DDP with no step held at every (tensor,
+            stage) coordinate of the kept replicas; ZeRO-2 without a step every
+            data group can rebuild exactly. On a dropped replica's alive ranks
+            (exit 0), after they helped.
+        TypeError: ``strategy`` is not an attached hybrid core (on every rank).
+    """
+    t0 = time.perf_counter()
+    world = rec.world
+    model = strategy.model
+    world.agree(None if isinstance(strategy, HybridCore)
+                and isinstance(model, HybridShardedModel) else
+                f"drop_replicas needs a hybrid core attached to a "
+                f"HybridShardedModel, got {type(strategy).__name__} with "
+                f"{type(model).__name__}", TypeError)
+    old = strategy.config
+    topo = old.topology
+    me = old.groups.coordinates
+    # One allgather decides everything: who is left where, and at which step.
+    every = world.allgather((old.groups.world.rank, me.dp, me.tp, me.pp, strategy.step_count))
+    kept, broken = whole_replicas(topo, [r for r, *_ in every])
+    # Strategy._who[r] = (dp rank, MPI.COMM_WORLD rank) of old world rank r, gathered
+    # at attach over the world (a hybrid strategy's step group), while all were alive.
+    to_comm_world = [w for _, w in strategy._who]
+    lost_by_replica = {d: [to_comm_world[r] for r in lost] for d, lost in broken.items()}
+    zero2 = isinstance(strategy, HybridZeRO2Core)
+
+    def hand_over(why: str) -> HandOver:
+        return HandOver(f"cannot recover in place: {why}; restart from a checkpoint",
+                        exit_code=EXIT_STOPPED, speaker=world.rank == 0)
+
+    if not kept:
+        what = "; ".join(f"replica {d} lost world rank(s) {lost}"
+                         for d, lost in sorted(lost_by_replica.items()))
+        raise hand_over(f"no model replica is whole ({what}) in a layout with "
+                        f"tensor_parallel_size={topo.tp} and pipeline_parallel_size={topo.pp}")
+    full, root = None, 0
+    if zero2:
+        step, full = _zero2_rebuild(strategy, buddy, world, me, hand_over)
+    else:
+        step, root = _ddp_step(every, kept, me, hand_over)
+    # Skipped steps and the data position at that step: a survivor's mark of it,
+    # else the own ones of a survivor that is at that step (of rec.source otherwise).
+    marks = marks if marks is not None else StepMarks(
+        strategy.step_count, strategy.skipped_steps, strategy.data_position)
+    skipped, position = marks.agreed(world, strategy, step, [e[4] for e in every], rec.source)
+    mine_kept = me.dp in kept
+    # The old rank order as key: the tp-dp-pp order holds over the kept ranks.
+    child = world.split(0 if mine_kept else 1, old.groups.world.rank, "world")
+    if not mine_kept:
+        raise HandOver(f"world rank {world_rank()} (host {socket.gethostname()}): dropped "
+                       f"with replica {me.dp}, which lost world rank(s) "
+                       f"{lost_by_replica[me.dp]}; {len(kept) * topo.tp * topo.pp} ranks go on",
+                       exit_code=0, speaker=True)
+    dropped = sorted(to_comm_world[r] for r, d, *_ in every if d not in kept)
+
+    config = survivors_config(old, child.comm)
+    groups = config.groups
+    state = strategy.state
+    model.rebuild(config)          # the same object, this rank's parameters kept
+    if zero2:
+        model.params[...] = full[0]
+    else:
+        groups.dp.Bcast(model.params, root=root)
+    strategy.rebuild(config)       # the same object and options, over the kept ranks
+    put_state(strategy, full[1] if zero2 else None, state, groups.dp, root)
+    strategy.step_count = step
+    strategy.skipped_steps, strategy.data_position = skipped, position
+    return {"event": "recovered", "lost_ranks": rec.lost, "step": step,
+            "world_size": groups.world.size, "seconds": rec.seconds + time.perf_counter() - t0,
+            "shrink_seconds": rec.seconds, "survivor_steps": rec.steps,
+            "rolled_back_from": None, "from": "replica",
+            "error": error_text(exc),
+            "dropped_ranks": dropped, "data_parallel_size": config.topology.dp}
+
+
+def _ddp_step(every: list[tuple[int, ...]], kept: list[int], me: Any,
+              hand_over: Callable[[str], HandOver]) -> tuple[int, int]:
+    """Hybrid DDP: the newest step at which every (tensor, stage) coordinate has
+    a kept rank (the step's update is local: the survivors may differ by one
+    step), and the rank of this rank's new data group that holds it (each
+    coordinate takes parameters and state from its lowest kept rank there)."""
+    counts: dict[tuple[int, int], dict[int, int]] = {}   # (tp, pp) -> step -> new dp
+    for _, d, t, p, count in sorted(every, key=lambda e: e[1]):
+        if d in kept:
+            counts.setdefault((t, p), {}).setdefault(count, kept.index(d))
+    common = set.intersection(*(set(c) for c in counts.values()))
+    if not common:
+        raise hand_over(
+            f"the survivors of the whole replicas {kept} disagree on the last completed "
+            f"step and no step is held at every (tensor, stage) coordinate "
+            f"({', '.join(f'{k}: {sorted(v)}' for k, v in sorted(counts.items()))})")
+    step = max(common)
+    return step, counts[(me.tp, me.pp)][step] if me.dp in kept else 0
+
+
+def _zero2_rebuild(strategy: HybridZeRO2Core, buddy: ShardBuddy | None, world: FlatComm,
+                   me: Any, hand_over: Callable[[str], HandOver]
+                   ) -> tuple[int, tuple[Any, dict[str, Any]]]:
+    """ZeRO-2: the newest step every (tensor, stage) data-parallel group can put
+    together exactly, and this rank's group's ``(params, state)`` at it (whole
+    stage vectors). Collective over ``world`` (every survivor, dropped or kept)."""
+    topo = strategy.config.topology
+    # The survivors of this rank's old data-parallel group, in the old dp order.
+    group = world.split(me.pp * topo.tp + me.tp, me.dp, "data-parallel survivors")
+    try:
+        mine = zero2_candidates(strategy, buddy, group)
+        common = set.intersection(*map(set, world.allgather(sorted(mine))))
+        if not common:
+            raise hand_over("ZeRO-2 lost optimizer-state shards: there is no step at which "
+                            "every data-parallel group can put its state together from its "
+                            "survivors' shards and buddy copies")
+        step = max(common)
+        return step, zero2_rebuild(strategy, buddy, group, step)
+    finally:
+        group.free()

@@ -1,0 +1,251 @@
+"""``ElasticOptimizer``: the worker side of elastic training.
+
+A :class:`~mpishard.strategies.Strategy` over a DDP or ZeRO-2 core, running the
+one training loop (:func:`~mpishard.train.run_training`).
+On start it resumes from the newest complete checkpoint in its folder, resharded
+to the current world size (the agent behind ``mpishard run`` relaunches the
+workers at a new size after a failure or a change of slots). While training it
+checkpoints every ``checkpoint_every`` steps, and on SIGUSR1 (a planned resize,
+sent by the agent) or SIGTERM (a Slurm preemption or time limit) it checkpoints
+at the next step boundary and returns: ``result.stopped`` names the signal,
+:attr:`ElasticOptimizer.stop_reason` says ``"resize"`` or ``"preempt"``, and
+:attr:`ElasticOptimizer.exit_code` is :data:`~mpishard.exitcodes.EXIT_STOPPED`
+(75), the status the agent expects from a worker that stopped to be relaunched
+(``raise SystemExit(opt.exit_code)`` at the end of the script), so the job goes
+on elsewhere or at another size from exactly there. ``optimize()`` never ends
+the process itself (a library call inside a simulation must not), unless
+``exit_on_signal=True`` asks for it.
+
+Signals reach the ranks at different moments, so the decision to stop is agreed
+collectively after every step (:class:`~mpishard.train.StopRequest`: one
+Allreduce of one number over the world), and every rank stops after the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..checkpoint import CheckpointManager
+from ..config import ShardingConfiguration
+from ..errors import MpiShardError
+from ..exitcodes import EXIT_STOPPED
+from ..parallel import DDPCore, ZeRO2Core
+from ..train import Checkpointing, Sampling, StopRequest, TrainResult, run_training
+from .base import Strategy
+
+__all__ = ["BATCH_POLICIES", "ElasticOptimizer"]
+
+#: ``fixed-global``: the global batch stays the same at any size (each worker's
+#: share adapts). ``scale-lr``: each worker keeps its batch, the global batch
+#: grows with the workers and the learning rate is scaled linearly with it.
+BATCH_POLICIES = ("fixed-global", "scale-lr")
+_STRATEGIES = {"ddp": DDPCore, "zero2": ZeRO2Core}
+#: Why the loop stopped -> :attr:`ElasticOptimizer.stop_reason`.
+_REASONS = {"SIGUSR1": "resize", "SIGTERM": "preempt"}
+
+
+class ElasticOptimizer(Strategy):
+    """A data-parallel optimizer whose job may shrink and grow between restarts.
+
+    Args:
+        optimizer: the update rule (:mod:`mpishard.optim`).
+        config: the layout; the data-parallel size is the number of workers.
+        min_workers, max_workers: the allowed range; starting outside it is an
+            error on every rank. Not given: the ``mpishard run`` agent's
+            ``--min-workers``/``--max-workers`` (``MPISHARD_ELASTIC_MIN_WORKERS``
+            and ``_MAX_WORKERS``), else 1 and 1024.
+        strategy: ``"ddp"`` or ``"zero2"`` inside.
+        checkpoint_dir: where to checkpoint and resume from (needed to resume).
+        checkpoint_every: steps between periodic checkpoints (None: only on a
+            signal and at the end).
+        keep: checkpoints kept in the folder.
+        batch_policy: see :data:`BATCH_POLICIES`.
+        reference_workers: the worker count the base learning rate is meant for
+            (``scale-lr`` only): lr = base lr x workers / reference_workers.
+        exit_on_signal: True: after the checkpoint a signal asked for, exit the
+            process with ``EXIT_STOPPED`` (75, what the agent expects). False
+            (the default): return; the script exits with :attr:`exit_code`.
+        **options: passed to the inner strategy (bucket_mb, max_grad_norm, ...).
+            For runs that must agree bit for bit across restarts with ZeRO-2, pin
+            ``reduce_method`` ("reduce_scatter" or "allreduce"): "auto" chooses by
+            timing, and the two may sum in a different order on 3 or more ranks.
+
+    Raises:
+        MpiShardError: the current number of workers is outside
+            ``[min_workers, max_workers]``, on every rank.
+        ValueError: an unknown strategy or batch policy.
+    """
+
+    def __init__(self, optimizer: Any, config: ShardingConfiguration | None = None,
+                 min_workers: int | None = None, max_workers: int | None = None, *,
+                 strategy: str = "ddp",
+                 checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
+                 keep: int = 3, batch_policy: str = "fixed-global",
+                 reference_workers: int = 1, exit_on_signal: bool = False,
+                 **options: Any) -> None:
+        config = config if config is not None else ShardingConfiguration()
+        # Under `mpishard run` the agent's --min-workers/--max-workers are the defaults.
+        if min_workers is None:
+            min_workers = int(os.environ.get("MPISHARD_ELASTIC_MIN_WORKERS", "1"))
+        if max_workers is None:
+            max_workers = int(os.environ.get("MPISHARD_ELASTIC_MAX_WORKERS", "1024"))
+        problem = None
+        if strategy not in _STRATEGIES:
+            problem = f"strategy must be one of {', '.join(_STRATEGIES)}, got {strategy!r}"
+        elif batch_policy not in BATCH_POLICIES:
+            problem = (f"batch_policy must be one of {', '.join(BATCH_POLICIES)}, "
+                       f"got {batch_policy!r}")
+        elif not 1 <= min_workers <= max_workers:
+            problem = (f"expecting 1 <= min_workers <= max_workers, got {min_workers} "
+                       f"and {max_workers}")
+        elif checkpoint_every is not None and checkpoint_every < 1:
+            problem = f"checkpoint_every must be a positive integer, got {checkpoint_every}"
+        config.world.agree(problem, ValueError)
+        workers = config.topology.dp
+        if not min_workers <= workers <= max_workers:
+            config.world.agree(f"{workers} workers, outside the allowed range "
+                               f"[{min_workers}, {max_workers}] (min_workers, max_workers)",
+                  MpiShardError)
+        self.min_workers = min_workers
+        self.max_workers = max_workers
+        self.checkpoint_every = checkpoint_every
+        self.batch_policy = batch_policy
+        self.reference_workers = reference_workers
+        self.exit_on_signal = exit_on_signal
+        super().__init__(_STRATEGIES[strategy](optimizer, config, **options))
+        self.base_lr = optimizer.lr
+        self.manager = (CheckpointManager(checkpoint_dir, keep=keep)
+                        if checkpoint_dir is not None else None)
+        self.resumed_from: str | None = None
+        self.recovery_seconds: float | None = None
+        self.stop_reason: str | None = None
+        self._stop = StopRequest()
+        self._new_pass = False
+
+    # --- what the issue names ------------------------------------------------------
+    @property
+    def current_workers(self) -> int:
+        return self.config.topology.dp
+
+    @property
+    def can_scale_up(self) -> bool:
+        return self.current_workers < self.max_workers
+
+    @property
+    def can_scale_down(self) -> bool:
+        return self.current_workers > self.min_workers
+
+    @property
+    def inner(self) -> Any:
+        """The DDP or ZeRO-2 core (:attr:`core`; the name of 0.4)."""
+        return self.core
+
+    @property
+    def exit_code(self) -> int:
+        """What the worker process should exit with: :data:`~mpishard.exitcodes.EXIT_STOPPED`
+        (75: checkpointed, relaunch me) after a stop a signal or :meth:`request_stop`
+        asked for, else 0."""
+        return EXIT_STOPPED if self.stop_reason is not None else 0
+
+    def new_pass(self) -> None:
+        """Start a new pass over the data at the next :meth:`optimize` (after it
+        has resumed from the newest checkpoint): epoch 0 of all the data, the
+        seed and shuffle it is given, ``epochs`` counted from there. Local."""
+        self._new_pass = True
+
+    def request_stop(self, reason: str = "resize") -> None:
+        """Checkpoint and stop at the next step boundary (what SIGUSR1 does)."""
+        self._stop.request(reason)
+
+    def checkpoint(self, model: Any) -> str | None:
+        """Save now, into ``checkpoint_dir``. Collective over the data group."""
+        if self.manager is None:
+            return None
+        return self.manager.save(model, self.core)
+
+    # --- training -------------------------------------------------------------------
+    def global_batch(self, batch_size: int | None) -> int | None:
+        """The global batch at the current size under the batch policy (None:
+        a stream's, whatever its batches hold)."""
+        if self.batch_policy == "fixed-global" or batch_size is None:
+            return batch_size
+        return batch_size * self.current_workers
+
+    def optimize(self, model: Any, data: Any, epochs: int | None = None,
+                 batch_size: int | None = None, *,
+                 seed: int | None = None, callback: Callable[[int, float], Any] | None = None,
+                 **options: Any) -> TrainResult:
+        """Train until ``epochs`` epochs are done in total (counting from epoch 0,
+        as every ``optimize()``), resuming from the newest checkpoint in
+        ``checkpoint_dir`` when there is one.
+
+        ``data``, ``seed``, ``callback(step, loss)`` and the rules for a
+        restored data position are those of every strategy's ``optimize()``
+        (:meth:`~mpishard.strategies.Strategy.optimize`). ``batch_size``: the global
+        batch (``fixed-global``) or each worker's batch (``scale-lr``, where the
+        global batch follows the worker count without a warning); for a
+        :class:`~mpishard.data.BatchStream`, ``epochs`` and ``batch_size`` are
+        None and a relaunched worker's stream is placed at the checkpoint's
+        batch count (``first=``, :mod:`mpishard.data.stream`). ``options``
+        go to :func:`~mpishard.train.run_training`. After a stop asked for by a
+        signal or :meth:`request_stop` it returns (``result.stopped``,
+        :attr:`stop_reason`; :attr:`exit_code` is 75), or exits the process with
+        that code when ``exit_on_signal`` is True. Collective over the world.
+
+        With fault tolerance on (``ShardingConfiguration(fault_tolerance=...)``
+        under ``mpirun --with-ft ulfm``), a rank that dies is recovered from in
+        place (``result.recoveries``; :func:`~mpishard.train.run_training`
+        says how); fewer survivors than ``min_workers`` checkpoint and end the
+        process with 75, one line saying why, for ``mpishard run`` to relaunch.
+        """
+        core = self.core
+        if core.model is not model:
+            core.attach(model)
+        if self.manager is not None:
+            info = self.manager.load_latest(model, core)
+            self.resumed_from = info.path if info is not None else None
+        if self._new_pass:
+            core.data_position, self._new_pass = None, False
+        if self.batch_policy == "scale-lr":
+            core.optimizer.lr = self.base_lr * self.current_workers / self.reference_workers
+        failed_at = os.environ.get("MPISHARD_ELASTIC_FAILED_AT")
+        first_step = [True]
+
+        def after_step(step: int, loss: float) -> Any:
+            if first_step[0]:
+                first_step[0] = False
+                if failed_at:
+                    self.recovery_seconds = time.time() - float(failed_at)
+            return callback(step, loss) if callback is not None else None
+
+        sampling = Sampling(seed=seed, batch_size_may_change=self.batch_policy == "scale-lr")
+        checkpointing = Checkpointing(self.manager, self.checkpoint_every or 0, self.min_workers)
+        with self._stop:
+            self._announce_ready()
+            result = run_training(core, model, data, epochs, self.global_batch(batch_size),
+                                  sampling=sampling, callback=after_step, stop=self._stop,
+                                  checkpointing=checkpointing, **options)
+        self._stop.received = None   # consumed: the next optimize() trains again
+        self.stop_reason = None
+        if result.stopped not in (None, "callback", "max_steps", "exhausted"):
+            self.stop_reason = _REASONS.get(result.stopped, result.stopped)
+            if self.exit_on_signal:
+                sys.stdout.flush()
+                sys.exit(EXIT_STOPPED)
+        return result
+
+    # --- signals ----------------------------------------------------------------------
+    def _announce_ready(self) -> None:
+        """Tell the agent that every rank now handles SIGUSR1 (and SIGTERM).
+        Collective over the world."""
+        path = os.environ.get("MPISHARD_ELASTIC_READY_FILE")
+        if not path:
+            return
+        self.config.world.barrier()
+        if self.config.world.rank == 0:
+            with open(path, "w") as f:
+                f.write(str(os.getpid()))
