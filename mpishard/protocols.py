@@ -33,6 +33,7 @@ __all__ = [
     "Model",
     "Optimizer",
     "StrategyCore",
+    "UnitPassModel",
 ]
 
 
@@ -110,6 +111,29 @@ class BucketedModel(Model, Protocol):
     def set_backward_hooks(self, hooks: BackwardHooks | None) -> None: ...
 
     def set_batch_context(self, step: int, start: int, global_size: int) -> None: ...
+
+
+@runtime_checkable
+class UnitPassModel(Protocol):
+    """A model that runs several units of reproducible mode in one pass, each
+    unit's gradient alone (:class:`~mpishard.parallel.HybridShardedModel`: the
+    units are the micro-batches of one pass of its pipeline schedule).
+
+    * ``micro_batches``: the most units a pass runs.
+    * ``forward_backward_units(xs, ys, losses, loss_scale, before_backward,
+      after_backward)``: unit ``i`` is ``(xs[i], ys[i])``; no backward
+      accumulates: between ``after_backward(i)`` and the next unit's
+      ``before_backward`` the model's gradient is unit ``i``'s alone, of
+      ``loss_scale`` times its mean loss; ``losses[i]`` receives that mean.
+    """
+
+    micro_batches: int
+
+    def forward_backward_units(self, xs: list[Any], ys: list[Any], losses: Any, *,
+                               loss_scale: float = 1.0,
+                               before_backward: Callable[[int], None] | None = None,
+                               after_backward: Callable[[int], None] | None = None
+                               ) -> None: ...
 
 
 @runtime_checkable

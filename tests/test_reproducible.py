@@ -346,8 +346,8 @@ def test_units_cut_by_a_rank_is_an_error_on_every_rank():
         ShardingConfiguration(MPI.COMM_WORLD, reproducible=True, unit_rows=0)
 
 
-# --- pipelines: pp = 1, 2, 4, GPipe and 1F1B -------------------------------------------
-PIPE_UNIT = 12      # 4 units of 12 rows, each one pass of 2 pipeline micro-batches
+# --- pipelines: pp = 1, 2, 4, GPipe and 1F1B, micro-batches 1, 2, 4 ---------------------
+PIPE_UNIT = 6       # 8 units of 6 rows: a pipeline micro-batch is one unit
 
 
 def pipeline_factory(kind, dtype):
@@ -357,10 +357,10 @@ def pipeline_factory(kind, dtype):
                              seed=5)
 
 
-def train_pipeline(comm, pp, kind, dtype, schedule, data_parallel, clip=0.5):
+def train_pipeline(comm, pp, kind, dtype, schedule, data_parallel, clip=0.5, micro=1):
     config = ShardingConfiguration(comm, pipeline_parallel_size=pp, reproducible=True,
                                    unit_rows=PIPE_UNIT)
-    model = HybridShardedModel(pipeline_factory(kind, dtype), config, micro_batches=2,
+    model = HybridShardedModel(pipeline_factory(kind, dtype), config, micro_batches=micro,
                                schedule=schedule)
     strategy = HybridShardedOptimizer(AdamW(lr=1e-2, weight_decay=0.01), config,
                                       data_parallel=data_parallel, model=model,
@@ -391,22 +391,36 @@ def _layer_order(name):
 
 PIPE_LAYOUTS = [(pp, WORLD // pp) for pp in (1, 2, 4)
                 if WORLD % pp == 0 and (BATCH // PIPE_UNIT) % (WORLD // pp) == 0]
+_PIPE_REFERENCE: dict = {}
+
+
+def pipeline_reference(kind, dtype):
+    """One process, no pipeline, one micro-batch (made once per model and dtype)."""
+    key = (kind, np.dtype(dtype).name)
+    if key not in _PIPE_REFERENCE:
+        _PIPE_REFERENCE[key] = flat_digest(*train_pipeline(MPI.COMM_SELF, 1, kind, dtype,
+                                                           "1f1b", "ddp"))
+    return _PIPE_REFERENCE[key]
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("micro", [1, 2, 4])
 @pytest.mark.parametrize("layout", PIPE_LAYOUTS, ids=lambda t: f"pp{t[0]}-dp{t[1]}")
 @pytest.mark.parametrize("schedule, data_parallel, kind, dtype", [
     ("1f1b", "ddp", "gpt", np.float32),
     ("gpipe", "zero2", "gpt", np.float64),
     ("gpipe", "ddp", "mlp", np.float64),
 ])
-def test_pipeline_same_bits_as_one_process(layout, schedule, data_parallel, kind, dtype):
-    pp, dp = layout
-    reference = train_pipeline(MPI.COMM_SELF, 1, kind, dtype, "1f1b", "ddp")
-    mine = train_pipeline(MPI.COMM_WORLD, pp, kind, dtype, schedule, data_parallel)
+def test_pipeline_same_bits_as_one_process(layout, micro, schedule, data_parallel, kind,
+                                           dtype):
+    """Any pipeline size, schedule and micro-batch count (a pass of up to ``micro``
+    units; fewer where a rank holds fewer) gives the one-process bits."""
+    pp, _ = layout
+    reference = pipeline_reference(kind, dtype)
+    mine = train_pipeline(MPI.COMM_WORLD, pp, kind, dtype, schedule, data_parallel,
+                          micro=micro)
     assert len(mine[1]) == 30
-    assert sorted(mine[0]) == sorted(reference[0])
-    assert flat_digest(*mine) == flat_digest(*reference)
+    assert flat_digest(*mine) == reference
 
 
 # --- a checkpoint written at one size and resumed at another ---------------------------
@@ -489,8 +503,9 @@ def test_three_ranks():
 # --- mpishard train --reproducible (and its TOML key) ------------------------------------
 @pytest.mark.launch
 def test_train_command_reproducible_flag_and_toml_key(tmp_path):
-    """``mpishard train --reproducible`` on 1 rank (DDP) and, from a TOML file, on 2
-    ranks (ZeRO-2) writes the same final parameters, bit for bit."""
+    """``mpishard train --reproducible`` on 1 rank (DDP), from a TOML file on 2
+    ranks (ZeRO-2), and as a 2-stage pipeline of 4 micro-batches writes the same
+    final parameters, bit for bit."""
     import subprocess
 
     import h5py
@@ -504,21 +519,28 @@ def test_train_command_reproducible_flag_and_toml_key(tmp_path):
     toml.write_text('reproducible = true\nstrategy = "zero2"\n')
     assert plan_runs({"config": str(toml), "example": "burgers"}, 2)[0].reproducible
     assert not plan_runs({"example": "burgers"}, 2)[0].reproducible
-    runs = {1: [*common, "--reproducible", "--out", str(tmp_path / "one")],
-            2: [*common, "--config", str(toml), "--out", str(tmp_path / "two")]}
+    # (ranks, arguments): one process; ZeRO-2 from the TOML file; a 2-stage pipeline
+    # whose 4 micro-batches are 4 of the 24 units of 2 rows (issue 21: a unit cut
+    # into micro-batches changed the bits, and 4 were refused).
+    runs = {"one": (1, [*common, "--reproducible"]),
+            "two": (2, [*common, "--config", str(toml)]),
+            "pipe": (2, [*common, "--reproducible", "--strategy", "hybrid", "--pp", "2",
+                         "--micro-batches", "4"])}
     final = {}
-    for n, args in runs.items():
-        job = subprocess.run(mpirun_command(n, "-m", "mpishard", *args), capture_output=True,
-                             text=True, timeout=240, env=mpi_env())
+    for name, (n, args) in runs.items():
+        job = subprocess.run(mpirun_command(n, "-m", "mpishard", *args, "--out",
+                                            str(tmp_path / name)),
+                             capture_output=True, text=True, timeout=240, env=mpi_env())
         assert job.returncode == 0, job.stdout + job.stderr
         assert "reproducible" in job.stdout
-        folder = tmp_path / ("one" if n == 1 else "two") / "burgers" / "checkpoints"
+        folder = tmp_path / name / "burgers" / "checkpoints"
         (path,) = sorted(folder.glob("*.h5"))[-1:]
         with h5py.File(path, "r") as f:
-            final[n] = {k: f["params"][k][()] for k in f["params"]}
-    assert sorted(final[1]) == sorted(final[2])
-    for name in final[1]:
-        assert final[1][name].tobytes() == final[2][name].tobytes(), name
+            final[name] = {k: f["params"][k][()] for k in f["params"]}
+    for other in ("two", "pipe"):
+        assert sorted(final["one"]) == sorted(final[other])
+        for key in final["one"]:
+            assert final["one"][key].tobytes() == final[other][key].tobytes(), (other, key)
 
 
 if __name__ == "__main__":      # pragma: no cover

@@ -63,6 +63,7 @@ import numpy as np
 from ..backend import array_namespace
 from ..flat import Range, shard_ranges
 from ..kernels import deposit as kernels
+from ..protocols import UnitPassModel
 from ..reprosum import (
     CHUNK,
     EMPTY_BIN,
@@ -231,7 +232,15 @@ class ReproducibleStep:
         self._global_bins: Any = None
         self._exchange: _FloatExchange | None = None
         self._dp_to_step: list[int] | None = None     # flags: data-parallel -> step rank
-        self._bad_rank: int | None = None     # a rank whose unit was not finite (float path)
+        # Non-finite values this step: a unit's loss here; a unit's gradient here
+        # (words path), or a rank whose unit this rank found so (float path). The
+        # step is then refused: NaN rides in the loss's or the squares' words.
+        self._bad_loss = False
+        self._bad_grad = False
+        self._bad_rank: int | None = None
+        # A pipelined model runs passes whose micro-batches are whole units.
+        self._passes = model if isinstance(model, UnitPassModel) else None
+        self._pass_losses = np.zeros(model.micro_batches if self._passes is not None else 0)
         self._deposit_seconds = 0.0
 
     # --- backward: one forward/backward per unit ----------------------------------
@@ -265,8 +274,10 @@ class ReproducibleStep:
         t0 = time.perf_counter()
         self._deposit_seconds = 0.0
         total = 0.0
-        if rows:
-            xb, yb = self._unit_buffers(x, y, r)
+        if rows and self._passes is not None:
+            total = self._run_passes(x, y, r, batch_start, global_rows)
+        elif rows:
+            xb, yb = self._unit_buffers(x, y, r, 0)
             for u in range(rows // r):
                 self._make_room()
                 xb[...] = x[u * r:(u + 1) * r]
@@ -274,7 +285,8 @@ class ReproducibleStep:
                 if s._batch_context:
                     model.set_batch_context(s.step_count, batch_start + u * r, global_rows)
                 loss = s._forward_backward(model, xb, yb, False, r)
-                self._add_unit(loss, r)
+                self._took_unit()
+                self._add_loss(loss, r)
                 total += r * loss
         deposit = self._deposit_seconds
         s.timings["forward_backward"] += time.perf_counter() - t0 - deposit
@@ -283,9 +295,44 @@ class ReproducibleStep:
         s._rows += rows
         return total / rows if rows else 0.0
 
-    def _unit_buffers(self, x: Any, y: Any, r: int) -> tuple[Any, Any]:
-        """A unit's rows are copied here: the same shapes and memory for every unit."""
-        key = (r, tuple(x.shape[1:]), x.dtype.str, tuple(y.shape[1:]), y.dtype.str)
+    def _run_passes(self, x: Any, y: Any, r: int, batch_start: int, global_rows: int) -> float:
+        """A pipelined model: passes of its schedule whose micro-batches are this
+        rank's units, up to ``micro_batches`` a pass; each unit's gradient is taken
+        right after its own backward (so neither the micro-batch count, nor the
+        schedule, nor the pipeline size changes a bit). Returns the rows' loss sum."""
+        s, model = self.strategy, self.strategy.model
+        per_pass, units = model.micro_batches, len(x) // r
+        losses, total = self._pass_losses, 0.0
+        for first in range(0, units, per_pass):
+            count = min(per_pass, units - first)
+            xs, ys = [], []
+            for i in range(count):
+                xb, yb = self._unit_buffers(x, y, r, i)
+                u = first + i
+                xb[...] = x[u * r:(u + 1) * r]
+                yb[...] = y[u * r:(u + 1) * r]
+                xs.append(xb)
+                ys.append(yb)
+            if s._batch_context:
+                model.set_batch_context(s.step_count, batch_start + first * r, global_rows)
+            model.forward_backward_units(xs, ys, losses, loss_scale=r,
+                                         before_backward=self._before_unit,
+                                         after_backward=self._after_unit)
+            for i in range(count):
+                self._add_loss(float(losses[i]), r)
+                total += r * float(losses[i])
+        return total
+
+    def _before_unit(self, i: int) -> None:
+        self._make_room()
+
+    def _after_unit(self, i: int) -> None:
+        self._took_unit()
+
+    def _unit_buffers(self, x: Any, y: Any, r: int, i: int) -> tuple[Any, Any]:
+        """Unit ``i`` of a pass is copied here: the same shapes and memory for every
+        unit in that place (made once)."""
+        key = (r, i, tuple(x.shape[1:]), x.dtype.str, tuple(y.shape[1:]), y.dtype.str)
         bufs = self._units.get(key)
         if bufs is None:
             xp = array_namespace(x)
@@ -307,17 +354,19 @@ class ReproducibleStep:
         self._pending = False
         self._deposit_seconds += time.perf_counter() - t1
 
-    def _add_unit(self, loss: float, r: int) -> None:
-        """Unit ``count`` was computed (its gradient in the model's): count it, and
-        its loss (``r`` times its mean)."""
-        t1 = time.perf_counter()
+    def _took_unit(self) -> None:
+        """A unit's backward wrote its gradient where the model keeps it."""
         self._count += 1
         self._pending = True
+
+    def _add_loss(self, loss: float, r: int) -> None:
+        """Deposit a unit's loss (``r`` times its mean)."""
+        t1 = time.perf_counter()
         if math.isfinite(loss):
             self._loss_in[0] = r * loss
             self.loss.deposit(self._loss_in)
         else:
-            self.strategy._local_bad = True
+            self._bad_loss = True
         self._deposit_seconds += time.perf_counter() - t1
 
     def _held_rows(self) -> Any:
@@ -341,7 +390,7 @@ class ReproducibleStep:
         """Deposit the held rows into the words, in one pass over them."""
         if self._n_held and kernels.deposit_rows(self._word_acc(),
                                                  self._held[:self._n_held]) >= 0:
-            self.strategy._local_bad = True
+            self._bad_grad = True
         self._n_held = 0
         self._in_words = True
 
@@ -425,7 +474,10 @@ class ReproducibleStep:
         bad = kernels.exact_sum(ex.grid, rows, piece, target.start - span.start,
                                 target.stop - span.start)
         if bad >= 0:
-            self._bad_rank = bad // cap if dp.size > 1 else dp.rank
+            if dp.size > 1:
+                self._bad_rank = bad // cap
+            else:
+                self._bad_grad = True
         convert = time.perf_counter() - t1
         if ex.replicated and dp.size > 1:
             dp.Allgatherv(out, [len(t) for t in ex.targets], slot="repro-gather")
@@ -454,15 +506,17 @@ class ReproducibleStep:
     # --- step: the totals (loss, sum of squares) -------------------------------------
     def fill_totals(self, buf: Any, base: int, clipping: bool) -> None:
         """Agree on the loss's and the squares' bins over the step group and write
-        this rank's words at ``buf[base:]`` (and the flag of a rank whose unit
-        gradient was not finite, found where it was summed). Collective over the
-        step group."""
+        this rank's words at ``buf[base:]``, and the flags (at ``buf[base -
+        step size + rank]``) of the ranks where a unit's loss or gradient was not
+        finite; their NaN in the words makes the step's loss or norm NaN.
+        Collective over the step group."""
         s = self.strategy
+        flags = base - s._stepper.size
+        if self._bad_loss or self._bad_grad:
+            buf[flags + s._stepper.rank] = 1.0
         if self._bad_rank is not None:
-            step_rank = self._dp_to_step[self._bad_rank] if self._dp_to_step else \
-                s._stepper.rank
-            buf[base - s._stepper.size + step_rank] = 1.0
-            self._bad_rank = None
+            buf[flags + (self._dp_to_step[self._bad_rank] if self._dp_to_step
+                         else s._stepper.rank)] = 1.0
         bins = self._small_bins
         bins[0] = self.loss.bins[0] if s._counts_rows else EMPTY_BIN
         bins[1] = EMPTY_BIN
@@ -473,8 +527,8 @@ class ReproducibleStep:
             top = max((kernels.max_magnitude(p) for p in pieces), default=0.0)
             if math.isfinite(top * top):
                 bins[1] = bin_of(top * top, NORM_WORD_BITS)
-            else:       # flagged: the step is refused; its squares do not matter
-                buf[base - s._stepper.size + s._stepper.rank] = 1.0
+            else:       # the step is refused: its squares do not matter
+                self._bad_grad = True
                 pieces = []
         s._stepper.Allreduce(bins, slot="repro-small", op="max")
         if s._counts_rows:
@@ -488,13 +542,25 @@ class ReproducibleStep:
                                                            self._norm_slices)):
                     words[k] += w
             buf[base + _LOSS_WORDS:base + self.extra] = words
+        if self._bad_loss:
+            buf[base:base + _LOSS_WORDS] = math.nan
+        if self._bad_grad or self._bad_rank is not None:
+            buf[base + _LOSS_WORDS:base + self.extra] = math.nan
+        self._bad_loss = self._bad_grad = False
+        self._bad_rank = None
 
     def read_totals(self, buf: Any, base: int) -> tuple[float, float]:
-        """The global loss sum and sum of squares from the reduced words."""
+        """The global loss sum and sum of squares from the reduced words (NaN where
+        a rank's was not finite)."""
         bins = self._small_bins
-        loss = words_to_float(buf[base:base + _LOSS_WORDS].tolist(), int(bins[0]), WORD_BITS)
-        squares = words_to_float(buf[base + _LOSS_WORDS:base + self.extra].tolist(),
-                                 int(bins[1]), NORM_WORD_BITS)
+        loss_words = buf[base:base + _LOSS_WORDS].tolist()
+        square_words = buf[base + _LOSS_WORDS:base + self.extra].tolist()
+        loss = words_to_float(loss_words, int(bins[0]), WORD_BITS)
+        squares = words_to_float(square_words, int(bins[1]), NORM_WORD_BITS)
+        if not all(math.isfinite(w) for w in loss_words):
+            loss = math.nan
+        if not all(math.isfinite(w) for w in square_words):
+            squares = math.nan
         return loss, squares
 
     def nbytes(self) -> int:
