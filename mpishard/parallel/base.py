@@ -395,8 +395,8 @@ class DataParallelCore:
         if repro is not None:
             loss_sum, squares = repro.read_totals(buf, tail)
             buf[_LOSS] = loss_sum
-            if self.max_grad_norm is not None:
-                buf[_SQUARES] = squares
+            if self.max_grad_norm is not None or not math.isfinite(squares):
+                buf[_SQUARES] = squares     # NaN: a rank's unit gradient was not finite
         self.timings["communication"] += (t1 - t0 - converted) + (t3 - t2)
         self._pending_micro = 0
         self._loss_sum = 0.0
