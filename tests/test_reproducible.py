@@ -24,6 +24,7 @@ from mpi4py import MPI
 from mpishard import ShardingConfiguration
 from mpishard.nn import GPT, MLP, ParallelMLP
 from mpishard.optim import AdamW
+from mpishard.parallel.repro import unit_rows_for
 from mpishard.reprosum import (
     CHUNK,
     NORM_WORD_BITS,
@@ -82,10 +83,12 @@ def units_of(model):
 
 
 def train(comm, kind="ddp", model="mlp", dtype=np.float32, accumulation=1, clip=None,
-          reproducible=True, epochs=EPOCHS, unit_rows="auto"):
+          reproducible=True, epochs=EPOCHS, unit_rows="auto", sizes=None):
     """Train 30 steps; returns (parameter digest, loss digest, params, losses)."""
-    unit_rows = units_of(model) if unit_rows == "auto" else unit_rows
-    config = ShardingConfiguration(comm, reproducible=reproducible, unit_rows=unit_rows)
+    unit_rows = (units_of(model) if sizes is None else None) if unit_rows == "auto" \
+        else unit_rows
+    config = ShardingConfiguration(comm, reproducible=reproducible, unit_rows=unit_rows,
+                                   reproducible_sizes=sizes)
     if model == "mlp":
         net, data = MLP([6, 16, 16, 4], activation="tanh", dtype=dtype, seed=5), mlp_data()
     else:
@@ -346,6 +349,40 @@ def test_units_cut_by_a_rank_is_an_error_on_every_rank():
         ShardingConfiguration(MPI.COMM_WORLD, reproducible=True, unit_rows=0)
 
 
+# --- reproducible_sizes: the units the sizes a user needs allow ----------------------
+def test_reproducible_sizes_set_the_units():
+    assert unit_rows_for(48, None) == 2                     # gcd(48, 24) = 24 units
+    assert unit_rows_for(48, None, (1, 2, 4)) == 12         # 4 units
+    assert unit_rows_for(48, None, (2, 3)) == 8             # lcm 6: 6 units
+    assert unit_rows_for(40, None, (1, 3)) == 40            # gcd(40, 3) = 1 unit
+    assert unit_rows_for(48, 6, None) == 6
+    config = ShardingConfiguration(MPI.COMM_SELF, reproducible=True,
+                                   reproducible_sizes=[np.int64(1), 2])
+    assert config.reproducible_sizes == (1, 2)
+    config.free()
+    for bad in ((0, 2), (), "1,2", (1.5,), 3):
+        with pytest.raises(ValueError, match="reproducible_sizes must be data-parallel sizes"):
+            ShardingConfiguration(MPI.COMM_SELF, reproducible=True, reproducible_sizes=bad)
+    with pytest.raises(ValueError, match="not both"):
+        ShardingConfiguration(MPI.COMM_SELF, reproducible=True, unit_rows=4,
+                              reproducible_sizes=(1, 2))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind, dtype, acc", [("ddp", np.float32, 1),
+                                              ("zero2-reduce_scatter", np.float64, 1),
+                                              ("zero2-allreduce", np.float32, 2)])
+def test_reproducible_sizes_same_bits_as_one_process(kind, dtype, acc):
+    """Sizes (1, 2, 4): 4 units of 12 rows (8 with accumulation 2), each rank
+    computing as few as the size allows."""
+    sizes = (1, 2, 4) if acc == 1 else (2, 4, 8)
+    if 4 % WORLD:
+        pytest.skip(f"reproducible_sizes {sizes} does not include {WORLD} ranks")
+    serial = train(MPI.COMM_SELF, "ddp", "mlp", dtype, acc, 0.5, sizes=sizes)
+    mine = train(MPI.COMM_WORLD, kind, "mlp", dtype, acc, 0.5, sizes=sizes)
+    assert mine[:2] == serial[:2]
+
+
 # --- pipelines: pp = 1, 2, 4, GPipe and 1F1B, micro-batches 1, 2, 4 ---------------------
 PIPE_UNIT = 6       # 8 units of 6 rows: a pipeline micro-batch is one unit
 
@@ -519,6 +556,10 @@ def test_train_command_reproducible_flag_and_toml_key(tmp_path):
     toml.write_text('reproducible = true\nstrategy = "zero2"\n')
     assert plan_runs({"config": str(toml), "example": "burgers"}, 2)[0].reproducible
     assert not plan_runs({"example": "burgers"}, 2)[0].reproducible
+    sized = tmp_path / "sized.toml"
+    sized.write_text('reproducible = true\nreproducible_sizes = [1, 2, 4]\n')
+    assert plan_runs({"config": str(sized), "example": "burgers"}, 2)[0].reproducible_sizes \
+        == [1, 2, 4]
     # (ranks, arguments): one process; ZeRO-2 from the TOML file; a 2-stage pipeline
     # whose 4 micro-batches are 4 of the 24 units of 2 rows (issue 21: a unit cut
     # into micro-batches changed the bits, and 4 were refused).

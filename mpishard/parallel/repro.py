@@ -92,12 +92,15 @@ HELD_UNITS = {4: 4, 8: 3}
 _LOSS_WORDS = 3     # the loss is a float64: K = 3
 
 
-def unit_rows_for(global_rows: int, unit_rows: int | None) -> int:
-    """Rows per unit for a global batch of ``global_rows``: ``unit_rows``, or by
-    default ``global_rows // gcd(global_rows, 24)``."""
+def unit_rows_for(global_rows: int, unit_rows: int | None,
+                  sizes: tuple[int, ...] | None = None) -> int:
+    """Rows per unit for a global batch of ``global_rows``: ``unit_rows``, or
+    ``global_rows // gcd(global_rows, L)`` with ``L`` the least common multiple of
+    ``sizes`` (``config.reproducible_sizes``; by default :data:`DEFAULT_UNITS`)."""
     if unit_rows is not None:
         return unit_rows
-    return global_rows // math.gcd(global_rows, DEFAULT_UNITS)
+    units = math.lcm(*sizes) if sizes else DEFAULT_UNITS
+    return global_rows // math.gcd(global_rows, units)
 
 
 def _short_last_batch(strategy: Any, global_rows: int) -> bool:
@@ -256,7 +259,7 @@ class ReproducibleStep:
             per_rank = rows * s.accumulation_steps
             batch_start = dp.rank * per_rank + s._pending_micro * rows
             global_rows = per_rank * dp.size
-        r = unit_rows_for(global_rows, s.config.unit_rows)
+        r = unit_rows_for(global_rows, s.config.unit_rows, s.config.reproducible_sizes)
         if _short_last_batch(s, global_rows):
             r = 1     # split over the ranks as evenly as the rows allow: cut anywhere
         problem = None
@@ -269,7 +272,8 @@ class ReproducibleStep:
                        f"{global_rows // r} units of the global batch of {global_rows} rows "
                        f"must split evenly over {dp.size} data-parallel ranks and "
                        f"{s.accumulation_steps} micro-batches (choose a data-parallel size "
-                       f"dividing {global_rows // r}, or set unit_rows)")
+                       f"dividing {global_rows // r}, or set reproducible_sizes or "
+                       f"unit_rows)")
         dp.agree(problem, ValueError)
         t0 = time.perf_counter()
         self._deposit_seconds = 0.0
