@@ -57,6 +57,7 @@ __all__ = [
     "WORD_BITS",
     "BinnedAccumulator",
     "ChunkGrid",
+    "ScalarSum",
     "bin_of",
     "fixed_bin_sum",
     "shift_words",
@@ -228,6 +229,51 @@ class ChunkGrid:
         from ``lo``, and their lengths."""
         a, b = np.searchsorted(self.starts, [lo, hi])
         return self.starts[a:b] - lo, self.lengths[a:b]
+
+
+class ScalarSum:
+    """The binned sum of float64 scalars (a loss): the arithmetic of a
+    :class:`BinnedAccumulator` of one element, in Python floats (no array passes:
+    a deposit costs microseconds). ``bin`` and ``words`` are its chunk's.
+    """
+
+    def __init__(self, word_bits: int = WORD_BITS) -> None:
+        self.word_bits = word_bits
+        self.k = words_for(np.float64)
+        self.bin = EMPTY_BIN
+        self.words = [0.0] * self.k
+
+    def clear(self) -> None:
+        self.bin = EMPTY_BIN
+        self.words = [0.0] * self.k
+
+    def deposit(self, v: float) -> bool:
+        """Add ``v``; False, adding nothing, when it is not finite."""
+        if not math.isfinite(v):
+            return False
+        if v == 0.0:
+            return True
+        self.realign(max(self.bin, bin_of(abs(v), self.word_bits)))
+        t = math.ldexp(v, -self.bin * self.word_bits)
+        step = 2.0 ** self.word_bits
+        for k in range(self.k - 1):
+            s = float(math.trunc(t))
+            self.words[k] += s
+            t = (t - s) * step
+        self.words[self.k - 1] += float(math.trunc(t))
+        return True
+
+    def realign(self, top: int) -> None:
+        """Raise the bin to ``top`` (the group's MAX), dropping the lowest words."""
+        if top <= self.bin:
+            return
+        if self.bin != EMPTY_BIN:
+            d = min(top - self.bin, self.k)
+            self.words = [0.0] * d + self.words[:self.k - d]
+        self.bin = top
+
+    def value(self) -> float:
+        return words_to_float(self.words, self.bin, self.word_bits)
 
 
 class BinnedAccumulator:

@@ -72,6 +72,7 @@ from ..reprosum import (
     WORD_BITS,
     BinnedAccumulator,
     ChunkGrid,
+    ScalarSum,
     bin_of,
     words_to_float,
 )
@@ -216,8 +217,7 @@ class ReproducibleStep:
         if sum(b - a for a, b in self.segments) != self.size:
             self.segments = [(0, self.size)] if self.size else []
         self.held_max = HELD_UNITS[self.dtype.itemsize]
-        self.loss = BinnedAccumulator(1, np.float64, np)
-        self._loss_in = np.zeros(1)
+        self.loss = ScalarSum()
         self._small_bins = np.zeros(2, dtype=np.int64)   # loss, squares: MAX over the step group
         self._units: dict[tuple, tuple[Any, Any]] = {}
         self._norm_scratch = self.xp.empty(CHUNK * 64, dtype=np.float64)
@@ -367,8 +367,7 @@ class ReproducibleStep:
         """Deposit a unit's loss (``r`` times its mean)."""
         t1 = time.perf_counter()
         if math.isfinite(loss):
-            self._loss_in[0] = r * loss
-            self.loss.deposit(self._loss_in)
+            self.loss.deposit(r * loss)
         else:
             self._bad_loss = True
         self._deposit_seconds += time.perf_counter() - t1
@@ -522,7 +521,7 @@ class ReproducibleStep:
             buf[flags + (self._dp_to_step[self._bad_rank] if self._dp_to_step
                          else s._stepper.rank)] = 1.0
         bins = self._small_bins
-        bins[0] = self.loss.bins[0] if s._counts_rows else EMPTY_BIN
+        bins[0] = self.loss.bin if s._counts_rows else EMPTY_BIN
         bins[1] = EMPTY_BIN
         pieces = []
         if clipping:
@@ -536,8 +535,8 @@ class ReproducibleStep:
                 pieces = []
         s._stepper.Allreduce(bins, slot="repro-small", op="max")
         if s._counts_rows:
-            self.loss.realign(bins[:1].copy())
-            buf[base:base + _LOSS_WORDS] = self.loss.words[:, 0, 0]
+            self.loss.realign(int(bins[0]))
+            buf[base:base + _LOSS_WORDS] = self.loss.words
         self.loss.clear()
         if clipping:
             words = [0.0] * NORM_WORDS
