@@ -8,23 +8,28 @@ Run under mpirun; prints one JSON line per configuration on rank 0::
 Models: ``small`` (MLP 784-1024-1024-10, ~1.9M parameters) and ``large`` (MLP
 1024-4096-4096-1024-10, ~25M) of ``bench_strategies.py``, 64 rows per rank,
 Adam; ``gpt``: the GPT of ``mpishard train --example gpt`` (vocabulary 97,
-context 64, width 64, 4 heads, 2 blocks, ~0.1M parameters) on windows of its
-text, its global batch of 32 rows, AdamW and clipping at 1.0 as that command
-trains it. Each in float32 and float64, DDP and ZeRO-2, with the library's
-default units (``--unit-rows`` sets them; ``rank``: one unit per rank).
+context 64, width 64, 4 heads, 2 blocks, ~0.1M parameters) on random tokens,
+its global batch of 32 rows, AdamW and clipping at 1.0 as that command trains
+it. Each in float32 and float64, DDP and ZeRO-2 (reduce-scatter), with the
+library's default units (``--sizes 1,2,4`` sets ``reproducible_sizes``,
+``--unit-rows`` the rows; ``rank``: one unit per rank).
 
-The two modes are built side by side in the same job and alternate ``--rounds``
+Three modes are built side by side in the same job and alternate ``--rounds``
 times (a round: ``--steps`` steps of one mode), so a slowdown of a shared machine
-hits both alike. ``default_s`` and ``reproducible_s`` are the slowest rank's
-mean step of a round, their minimum and median over the rounds; ``ratio`` is
-reproducible over default (of the minima, and of the medians). ``parts_s`` says
-where a step's time goes (means over every round, per step, on rank 0):
-``forward_backward`` (the units' compute: one forward/backward per unit in
-reproducible mode), ``deposit`` (copying units' gradients aside, or depositing
-them into words), ``communication`` (the gradient's reduction: the units'
-exchange or the words' reduction and the DDP gather, in reproducible mode),
-``conversion`` (the binned sum back to floats), ``optimizer`` and ``gather``
-(ZeRO-2's parameter Allgatherv).
+hits them alike: ``default``; ``units``, the default mode run in the
+reproducible units (a backward per unit, under ``no_sync`` for DDP: one
+reduction; ZeRO-2 reduces each unit to its shards): the units' compute without
+the reproducible sums, a floor for the reproducible step; ``reproducible``.
+``<mode>_s`` is the slowest rank's mean step of a round, its minimum and median
+over the rounds; ``ratio`` is reproducible over default
+and ``units_ratio`` units over default (of the minima, and of the medians).
+``parts_s`` says where a step's time goes (means over every round, per step,
+on rank 0): ``forward_backward`` (one forward/backward per unit in the units
+and reproducible modes), ``deposit`` (copying units' gradients aside, or
+depositing them into words), ``communication`` (the gradient's reduction: the
+units' exchange or the words' reduction and the DDP gather, in reproducible
+mode), ``conversion`` (the binned sum back to floats), ``optimizer`` and
+``gather`` (ZeRO-2's parameter Allgatherv).
 
 Set OMP_NUM_THREADS (the script defaults it to cores / ranks) so ranks do not
 fight over cores.
@@ -33,6 +38,7 @@ fight over cores.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -49,6 +55,9 @@ from mpishard.optim import Adam, AdamW  # noqa: E402
 from mpishard.parallel.repro import unit_rows_for  # noqa: E402
 from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer  # noqa: E402
 
+#: Alternated in every round: the default step, the same in unit-sized micro-batches
+#: (the units' compute without the reproducible sums: a floor), reproducible mode.
+MODES = ("default", "units", "reproducible")
 PARTS = ("forward_backward", "deposit", "communication", "conversion", "optimizer", "gather")
 #: The GPT of `mpishard train --example gpt`: its model, batch and options.
 GPT_MODEL = {"vocab": 97, "seq_len": 64, "d_model": 64, "heads": 4, "layers": 2}
@@ -60,10 +69,15 @@ def emit(record: dict) -> None:
         print(json.dumps(record), flush=True)
 
 
-def build(name, dtype, kind, reproducible, unit_rows):
-    """A strategy and one step's closure for this rank; the global batch."""
+def build(name, dtype, kind, mode, unit_rows, sizes):
+    """A strategy and one step's closure for this rank in ``mode`` (``default``,
+    ``units``: the default mode run as the reproducible units, one backward per
+    unit and one reduction, or ``reproducible``); the global batch."""
     world = MPI.COMM_WORLD
-    config = ShardingConfiguration(world, reproducible=reproducible, unit_rows=unit_rows)
+    reproducible = mode == "reproducible"
+    config = ShardingConfiguration(world, reproducible=reproducible,
+                                   unit_rows=unit_rows if reproducible else None,
+                                   reproducible_sizes=sizes if reproducible else None)
     rng = np.random.default_rng(world.rank)
     if name == "gpt":
         g = GPT_MODEL
@@ -75,23 +89,34 @@ def build(name, dtype, kind, reproducible, unit_rows):
         y = np.roll(x, -1, axis=1)
         optimizer, options = AdamW(lr=3e-3), {"max_grad_norm": 1.0}
     else:
-        sizes = MODELS[name]
-        model = MLP(sizes, dtype=dtype, seed=0)
+        widths = MODELS[name]
+        model = MLP(widths, dtype=dtype, seed=0)
         local = BATCH_PER_RANK
         total = local * world.size
-        x = rng.standard_normal((local, sizes[0])).astype(dtype)
-        y = rng.integers(0, sizes[-1], local)
+        x = rng.standard_normal((local, widths[0])).astype(dtype)
+        y = rng.integers(0, widths[-1], local)
         optimizer, options = Adam(lr=1e-4), {}
     cls = DDPOptimizer if kind == "ddp" else ZeRO2Optimizer
     extra = {} if kind == "ddp" else {"reduce_method": "reduce_scatter"}
     strategy = cls(optimizer, config, model=model, **options, **extra)
     start = world.rank * local
+    r = unit_rows_for(total, unit_rows, sizes)
+    pieces = [(x[a:a + r], y[a:a + r], start + a) for a in range(0, local, r)]
 
     def step() -> None:
         strategy.backward(x, y, batch_start=start, global_rows=total)
         strategy.step()
 
-    return config, strategy, step, total
+    def units() -> None:
+        # ZeRO-2 has no no_sync(): it reduces every unit to the shards.
+        with strategy.no_sync() if kind == "ddp" else contextlib.nullcontext():
+            for xu, yu, first in pieces[:-1]:
+                strategy.backward(xu, yu, batch_start=first, global_rows=total)
+        xu, yu, first = pieces[-1]
+        strategy.backward(xu, yu, batch_start=first, global_rows=total)
+        strategy.step()
+
+    return config, strategy, units if mode == "units" else step, total
 
 
 def timed_round(strategy, step, steps: int) -> float:
@@ -115,6 +140,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--unit-rows", default=None,
                         help="rows per unit, or 'rank': one unit per rank")
+    parser.add_argument("--sizes", type=lambda v: tuple(int(s) for s in v.split(",")),
+                        default=None, help="reproducible_sizes, e.g. 1,2,4 (instead of "
+                        "the default units)")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     for name in args.models:
@@ -127,8 +155,8 @@ def main() -> None:
                     unit_rows = total // world.size
                 elif unit_rows is not None:
                     unit_rows = int(unit_rows)
-                runs = {mode: build(name, dtype, kind, mode == "reproducible", unit_rows)
-                        for mode in ("default", "reproducible")}
+                runs = {mode: build(name, dtype, kind, mode, unit_rows, args.sizes)
+                        for mode in MODES}
                 for _, strategy, step, _ in runs.values():
                     step()                                   # warm-up (and JIT)
                     step()
@@ -140,7 +168,7 @@ def main() -> None:
                     for mode, (_, strategy, step, _) in runs.items():
                         times[mode].append(timed_round(strategy, step, args.steps))
                 total = runs["default"][3]
-                rows = unit_rows_for(total, unit_rows)
+                rows = unit_rows_for(total, unit_rows, args.sizes)
                 summary = {mode: {"min": min(t), "median": statistics.median(t)}
                            for mode, t in times.items()}
                 count = args.rounds * args.steps
@@ -149,11 +177,12 @@ def main() -> None:
                     "dtype": dtype.name, "strategy": kind, "ranks": world.size,
                     "global_batch": total, "unit_rows": rows, "units": total // rows,
                     "units_per_rank": total // rows / world.size,
-                    "default_s": {k: round(v, 5) for k, v in summary["default"].items()},
-                    "reproducible_s": {k: round(v, 5)
-                                       for k, v in summary["reproducible"].items()},
+                    **{f"{mode}_s": {k: round(v, 5) for k, v in summary[mode].items()}
+                       for mode in MODES},
                     "ratio": {k: round(summary["reproducible"][k] / summary["default"][k], 3)
                               for k in ("min", "median")},
+                    "units_ratio": {k: round(summary["units"][k] / summary["default"][k], 3)
+                                    for k in ("min", "median")},
                     "parts_s": {mode: {k: round(strategy.timings.get(k, 0.0) / count, 5)
                                        for k in PARTS}
                                 for mode, (_, strategy, _, _) in runs.items()},
