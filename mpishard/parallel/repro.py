@@ -84,9 +84,11 @@ __all__ = ["DEFAULT_UNITS", "HELD_UNITS", "ReproducibleStep", "WordShards", "uni
 DEFAULT_UNITS = 24
 
 #: The most units' gradients a rank keeps as floats (per float item size): up to
-#: this many take the float path (they are no more bytes than ``K`` words: 4
-#: float32 or 3 float64 gradients); a step in which any rank holds more takes the
-#: words path.
+#: this many take the float path; a step in which any rank holds more takes the
+#: words path. The float path's memory stays below the words path's (``K``
+#: words, 16 bytes an element for float32 and 24 for float64, beside these held
+#: rows): over several ranks it also receives every unit's piece of its range
+#: (about as many floats again), alone it keeps twice as many (its rows are all).
 HELD_UNITS = {4: 4, 8: 3}
 
 # Where the words sit in the step buffer, after the flags: the loss, then the squares.
@@ -216,7 +218,7 @@ class ReproducibleStep:
         self.segments = [(t.offset, t.offset + t.size) for t in specs if t.size]
         if sum(b - a for a, b in self.segments) != self.size:
             self.segments = [(0, self.size)] if self.size else []
-        self.held_max = HELD_UNITS[self.dtype.itemsize]
+        self.held_max = HELD_UNITS[self.dtype.itemsize] * (2 if strategy.dp.size == 1 else 1)
         self.loss = ScalarSum()
         self._small_bins = np.zeros(2, dtype=np.int64)   # loss, squares: MAX over the step group
         self._units: dict[tuple, tuple[Any, Any]] = {}
@@ -230,7 +232,7 @@ class ReproducibleStep:
         self._n_held = 0
         self._pending = False
         self._in_words = False
-        self._held: Any = None              # (held_max, size), on first need
+        self._held: Any = None              # (rows, size), grown on need to held_max rows
         self._words: BinnedAccumulator | None = None      # on first need
         self._global_bins: Any = None
         self._exchange: _FloatExchange | None = None
@@ -353,7 +355,8 @@ class ReproducibleStep:
         t1 = time.perf_counter()
         if self._n_held == self.held_max:
             self._flush()
-        self._held_rows()[self._n_held][...] = self.strategy._repro_source().reshape(-1)
+        self._held_rows(self._n_held + 1)[self._n_held][...] = \
+            self.strategy._repro_source().reshape(-1)
         self._n_held += 1
         self._pending = False
         self._deposit_seconds += time.perf_counter() - t1
@@ -372,9 +375,15 @@ class ReproducibleStep:
             self._bad_loss = True
         self._deposit_seconds += time.perf_counter() - t1
 
-    def _held_rows(self) -> Any:
-        if self._held is None:
-            self._held = self.xp.zeros((self.held_max, self.size), dtype=self.dtype)
+    def _held_rows(self, count: int) -> Any:
+        """The held rows, at least ``count`` of them (grown, keeping them, by
+        doubling up to ``held_max``: in the first steps only)."""
+        held = self._held
+        if held is None or held.shape[0] < count:
+            rows = min(self.held_max, max(count, 2 * (held.shape[0] if held is not None else 0)))
+            self._held = self.xp.zeros((rows, self.size), dtype=self.dtype)
+            if held is not None:
+                self._held[:held.shape[0]] = held
             s = self.strategy
             s._peak_bytes = max(s._peak_bytes, s._current_bytes() + self.nbytes())
         return self._held
@@ -468,7 +477,7 @@ class ReproducibleStep:
                     vector = source             # this rank has no unit u: zeros
                     vector.fill(0)
                 else:
-                    vector = self._held_rows()[u]
+                    vector = self._held_rows(u + 1)[u]
                     vector.fill(0)
                 ex.send(dp, vector, rows, u, cap)
         t1 = time.perf_counter()
