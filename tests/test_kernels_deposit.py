@@ -201,6 +201,17 @@ def test_cuda_kernels_give_the_twin_bits(dtype, monkeypatch):
     out = cp.empty(n, dtype=dtype)
     kd.to_float(dev, out)
     assert cp.asnumpy(out).tobytes() == ref.tobytes()
+    part = cp.empty(2 * CHUNK, dtype=dtype)
+    kd.to_float(dev, part, CHUNK + 5, 3 * CHUNK + 5)
+    assert cp.asnumpy(part).tobytes() == ref[CHUNK + 5:3 * CHUNK + 5].tobytes()
+    # Rows at once (bins rise on the way), and a non-finite row: nothing deposited.
+    more = np.array([x * np.asarray(2.0 ** 45, dtype=dtype) for x in xs[:3]])
+    more[np.abs(more) > 1e300] = 0.0
+    for x in more:
+        host.deposit(x)
+    assert kd.deposit_rows(dev, cp.asarray(more)) == -1
+    assert cp.asnumpy(dev.words).tobytes() == host.words.tobytes()
+    assert cp.asnumpy(dev.bins).tobytes() == host.bins.tobytes()
     rows = np.array(xs[:3])
     grid = ChunkGrid(SEGMENTS)
     want = np.empty(n - 9, dtype=dtype)
@@ -208,6 +219,9 @@ def test_cuda_kernels_give_the_twin_bits(dtype, monkeypatch):
     got = cp.empty(n - 9, dtype=dtype)
     assert kd.exact_sum(grid, cp.asarray(rows), got, 4, n - 5) == -1
     assert cp.asnumpy(got).tobytes() == want.tobytes()
+    bad = rows.copy()
+    bad[1, n - 3] = np.nan
+    assert kd.exact_sum(grid, cp.asarray(bad), got, 4, n - 5) == 1
     x = xs[0]
     top = bin_of(float(np.max(np.abs(x).astype(np.float64)) ** 2), NORM_WORD_BITS)
     scratch, slices = np.empty(300), np.empty(300)

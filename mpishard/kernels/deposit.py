@@ -5,7 +5,8 @@ absolute bins of ``W`` bits, ``K`` integer words per element, the error bound)
 and holds the NumPy twin of every kernel here: about ten array passes per
 deposit. The fused versions do the same integer arithmetic chunk by chunk, the
 chunk staying in the cache (in registers on a GPU): a Numba JIT on the CPU,
-CuPy ``RawKernel`` s on a GPU (a thread block per chunk, a thread per element).
+CuPy ``RawKernel`` s on a GPU (a thread block per chunk, a thread per element:
+:mod:`mpishard.kernels.deposit_cuda`).
 Each gives its twin's bits, ``tests/test_kernels_deposit.py`` checks it on
 values over the whole float range (signed zeros, subnormals, 1e305, NaN).
 
@@ -42,6 +43,7 @@ from ..reprosum import (
     fixed_bin_sum,
     words_for,
 )
+from . import deposit_cuda
 from .select import fused_on
 
 __all__ = ["deposit", "deposit_rows", "exact_sum", "max_magnitude", "square_words",
@@ -494,9 +496,6 @@ def _build_numba() -> SimpleNamespace:
 
 
 def _cuda() -> Any:
-    """The CuPy kernels (built at the first call)."""
-    kernels = _COMPILED.get("cuda")
-    if kernels is None:
-        from . import _deposit_cuda
-        kernels = _COMPILED["cuda"] = _deposit_cuda
-    return kernels
+    """The CUDA kernels (:mod:`mpishard.kernels.deposit_cuda`; compiled by CuPy at
+    their first launch)."""
+    return deposit_cuda
