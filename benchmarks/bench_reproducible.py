@@ -31,6 +31,11 @@ units' exchange or the words' reduction and the DDP gather, in reproducible
 mode), ``conversion`` (the binned sum back to floats), ``optimizer`` and
 ``gather`` (ZeRO-2's parameter Allgatherv).
 
+``--device cuda`` puts models and batches on each rank's GPU (CuPy); the deposit
+runs as the CUDA kernels of ``mpishard.kernels.deposit_cuda`` with
+``MPISHARD_GPU_KERNELS=1`` (``kernels`` in the record), else as the NumPy twin's
+CuPy calls. ``scripts/gpu-check.sh`` runs it so.
+
 Set OMP_NUM_THREADS (the script defaults it to cores / ranks) so ranks do not
 fight over cores.
 """
@@ -50,6 +55,7 @@ from bench_strategies import BATCH_PER_RANK, MODELS  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from mpishard import ShardingConfiguration  # noqa: E402
+from mpishard.kernels import fused_on  # noqa: E402
 from mpishard.nn import GPT, MLP  # noqa: E402
 from mpishard.optim import Adam, AdamW  # noqa: E402
 from mpishard.parallel.repro import unit_rows_for  # noqa: E402
@@ -69,7 +75,7 @@ def emit(record: dict) -> None:
         print(json.dumps(record), flush=True)
 
 
-def build(name, dtype, kind, mode, unit_rows, sizes):
+def build(name, dtype, kind, mode, unit_rows, sizes, xp):
     """A strategy and one step's closure for this rank in ``mode`` (``default``,
     ``units``: the default mode run as the reproducible units, one backward per
     unit and one reduction, or ``reproducible``); the global batch."""
@@ -82,7 +88,7 @@ def build(name, dtype, kind, mode, unit_rows, sizes):
     if name == "gpt":
         g = GPT_MODEL
         model = GPT(g["vocab"], g["seq_len"], g["d_model"], g["heads"], g["layers"],
-                    dtype=dtype, seed=0)
+                    dtype=dtype, seed=0, xp=xp)
         total = GPT_BATCH
         local = total // world.size
         x = rng.integers(0, g["vocab"], (local, g["seq_len"])).astype(np.int32)
@@ -90,12 +96,13 @@ def build(name, dtype, kind, mode, unit_rows, sizes):
         optimizer, options = AdamW(lr=3e-3), {"max_grad_norm": 1.0}
     else:
         widths = MODELS[name]
-        model = MLP(widths, dtype=dtype, seed=0)
+        model = MLP(widths, dtype=dtype, seed=0, xp=xp)
         local = BATCH_PER_RANK
         total = local * world.size
         x = rng.standard_normal((local, widths[0])).astype(dtype)
         y = rng.integers(0, widths[-1], local)
         optimizer, options = Adam(lr=1e-4), {}
+    x, y = xp.asarray(x), xp.asarray(y)
     cls = DDPOptimizer if kind == "ddp" else ZeRO2Optimizer
     extra = {} if kind == "ddp" else {"reduce_method": "reduce_scatter"}
     strategy = cls(optimizer, config, model=model, **options, **extra)
@@ -119,13 +126,15 @@ def build(name, dtype, kind, mode, unit_rows, sizes):
     return config, strategy, units if mode == "units" else step, total
 
 
-def timed_round(strategy, step, steps: int) -> float:
-    """Mean step seconds of one round (the slowest rank's)."""
+def timed_round(strategy, step, steps: int, xp) -> float:
+    """Mean step seconds of one round (the slowest rank's; a device's work done)."""
     world = MPI.COMM_WORLD
     world.Barrier()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
     return world.allreduce((time.perf_counter() - t0) / steps, op=MPI.MAX)
 
 
@@ -143,8 +152,15 @@ def main() -> None:
     parser.add_argument("--sizes", type=lambda v: tuple(int(s) for s in v.split(",")),
                         default=None, help="reproducible_sizes, e.g. 1,2,4 (instead of "
                         "the default units)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: models and batches on the rank's GPU (CuPy)")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
+    if args.device == "cuda":
+        import cupy as xp
+        xp.cuda.Device(world.rank % xp.cuda.runtime.getDeviceCount()).use()
+    else:
+        xp = np
     for name in args.models:
         for dtype_name in args.dtypes:
             dtype = np.dtype(dtype_name)
@@ -155,7 +171,7 @@ def main() -> None:
                     unit_rows = total // world.size
                 elif unit_rows is not None:
                     unit_rows = int(unit_rows)
-                runs = {mode: build(name, dtype, kind, mode, unit_rows, args.sizes)
+                runs = {mode: build(name, dtype, kind, mode, unit_rows, args.sizes, xp)
                         for mode in MODES}
                 for _, strategy, step, _ in runs.values():
                     step()                                   # warm-up (and JIT)
@@ -166,7 +182,7 @@ def main() -> None:
                 times = {mode: [] for mode in runs}
                 for _ in range(args.rounds):
                     for mode, (_, strategy, step, _) in runs.items():
-                        times[mode].append(timed_round(strategy, step, args.steps))
+                        times[mode].append(timed_round(strategy, step, args.steps, xp))
                 total = runs["default"][3]
                 rows = unit_rows_for(total, unit_rows, args.sizes)
                 summary = {mode: {"min": min(t), "median": statistics.median(t)}
@@ -175,6 +191,7 @@ def main() -> None:
                 record = {
                     "model": name, "parameters": int(runs["default"][1].model.params.size),
                     "dtype": dtype.name, "strategy": kind, "ranks": world.size,
+                    "device": args.device, "kernels": "fused" if fused_on(xp) else "twin",
                     "global_batch": total, "unit_rows": rows, "units": total // rows,
                     "units_per_rank": total // rows / world.size,
                     **{f"{mode}_s": {k: round(v, 5) for k, v in summary[mode].items()}

@@ -84,21 +84,23 @@ def units_of(model):
 
 
 def train(comm, kind="ddp", model="mlp", dtype=np.float32, accumulation=1, clip=None,
-          reproducible=True, epochs=EPOCHS, unit_rows="auto", sizes=None):
-    """Train 30 steps; returns (parameter digest, loss digest, params, losses)."""
+          reproducible=True, epochs=EPOCHS, unit_rows="auto", sizes=None, xp=np):
+    """Train 30 steps (the model on ``xp``'s device); returns (parameter digest,
+    loss digest, params, losses)."""
     unit_rows = (units_of(model) if sizes is None else None) if unit_rows == "auto" \
         else unit_rows
     config = ShardingConfiguration(comm, reproducible=reproducible, unit_rows=unit_rows,
                                    reproducible_sizes=sizes)
     if model == "mlp":
-        net, data = MLP([6, 16, 16, 4], activation="tanh", dtype=dtype, seed=5), mlp_data()
+        net, data = MLP([6, 16, 16, 4], activation="tanh", dtype=dtype, seed=5, xp=xp), \
+            mlp_data()
     else:
-        net, data = GPT(VOCAB, SEQ, 8, 2, 2, dtype=dtype, seed=11), token_data()
+        net, data = GPT(VOCAB, SEQ, 8, 2, 2, dtype=dtype, seed=11, xp=xp), token_data()
     strategy = make_strategy(kind, config, accumulation_steps=accumulation,
                              max_grad_norm=clip)
     result = strategy.optimize(net, (data[0], data[1]), epochs=epochs, batch_size=BATCH)
     strategy.verify_in_sync()
-    params = np.array(net.params)
+    params = np.array(net.params) if xp is np else xp.asnumpy(net.params)
     config.free()
     return (*digest(params, result.losses), params, np.array(result.losses))
 
@@ -342,6 +344,25 @@ def test_same_bits_as_one_process(case):
     assert len(mine[3]) == 30
     assert mine[:2] == serial[:2], (np.max(np.abs(mine[2] - serial[2])),
                                     np.max(np.abs(mine[3] - serial[3])))
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", [("ddp", "mlp", np.float32, 1, None),
+                                  ("zero2-reduce_scatter", "gpt", np.float64, 1, 0.5),
+                                  ("zero2-allreduce", "mlp", np.float64, 2, 0.5)], ids=case_id)
+def test_same_bits_on_the_device(case):
+    """CuPy arrays (the deposit's CUDA kernels with MPISHARD_GPU_KERNELS=1, the
+    twin without): the same bits at any size, as one process on the device."""
+    from conftest import _cupy_or_skip
+
+    cp = _cupy_or_skip()
+    kind, model, dtype, acc, clip = case
+    if not units_fit(WORLD, acc, model):
+        pytest.skip(f"the units do not split over {WORLD} ranks x {acc} micro-batches")
+    serial = train(MPI.COMM_SELF, "ddp", model, dtype, acc, clip, xp=cp)
+    mine = train(MPI.COMM_WORLD, kind, model, dtype, acc, clip, xp=cp)
+    assert mine[:2] == serial[:2]
 
 
 @pytest.mark.mpi
