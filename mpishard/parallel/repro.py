@@ -4,52 +4,62 @@ With ``ShardingConfiguration(reproducible=True)`` a data-parallel strategy hands
 its ``backward`` and the reductions of its ``step`` to :class:`ReproducibleStep`:
 
 - **Units.** The global batch of ``B`` rows is cut into units of ``R`` rows
-  (:func:`unit_rows_for`; a dataset's short last batch of an epoch, with
-  ``drop_last=False``, into units of one row). ``backward`` cuts the rows it is
-  given at unit boundaries and runs one forward/backward per unit on a fixed
-  buffer of exactly ``R`` rows, so a unit's gradient, computed with the same
-  shapes and the same code, has the same bits on whatever rank computes it. A
-  pipelined model (:class:`~mpishard.parallel.HybridShardedModel`) runs one
-  pass of its schedule per unit; every schedule runs the backward of micro-batch
-  0, 1, ... in that order, so GPipe and 1F1B accumulate alike.
+  (:func:`unit_rows_for`: ``gcd(B, 24)`` units by default, ``gcd(B, lcm)`` of
+  ``config.reproducible_sizes``, or ``config.unit_rows``; a dataset's short last
+  batch of an epoch, with ``drop_last=False``, into units of one row).
+  ``backward`` cuts the rows it is given at unit boundaries and runs one
+  forward/backward per unit on a fixed buffer of exactly ``R`` rows, so a unit's
+  gradient, computed with the same shapes and the same code, has the same bits
+  on whatever rank computes it. A pipelined model (a
+  :class:`~mpishard.protocols.UnitPassModel`:
+  :class:`~mpishard.parallel.HybridShardedModel`) runs passes of its schedule
+  whose micro-batches are whole units (up to ``micro_batches`` a pass), each
+  unit's gradient taken after its own backward: neither the micro-batch count,
+  nor the schedule, nor the pipeline size changes a bit.
 - **Sums.** The step's gradient is the binned sum (:mod:`mpishard.reprosum`) of
   the units' gradients: integer arithmetic, so neither the order of the units,
   nor how many ranks share them, nor the MPI algorithm changes a bit. Two ways
   to the same bits, chosen per step by the most units a rank holds (one small
   ``Allreduce(MAX)`` over ``groups.dp``):
 
-  * **few units a rank** (at most :data:`HELD_UNITS`; one unit per rank is the
-    usual case): each rank keeps its units' gradients as floats, an
-    ``Alltoallv`` over ``groups.dp`` gives each rank every unit's piece of the
-    range it converts (its ZeRO-2 shard; for DDP an equal part, then an
-    ``Allgatherv``), and :func:`mpishard.kernels.deposit.exact_sum` sums them
-    there in one pass that never writes a word to memory. The bytes on the wire
-    are the default mode's (reduce-scatter and allgather of the gradient) times
-    the units a rank holds.
-  * **many units a rank**: each unit is deposited as it is computed into
-    ``K`` float64 words per element (:func:`mpishard.kernels.deposit.deposit`);
-    at ``step()``: ``Allreduce(MAX)`` of the chunk bins over ``groups.dp``, the
-    words summed over it (DDP: ``Allreduce``; ZeRO-2: ``Reduce_scatter`` or
-    ``Allreduce``) and converted back.
+  * **few units a rank** (at most :data:`HELD_UNITS`, twice that alone; one
+    unit per rank is the usual case at the largest size): each rank keeps its
+    units' gradients as floats (the last where the model wrote it, the others
+    copied aside), an ``Alltoallv`` per unit over ``groups.dp`` gives each rank
+    every unit's chunks of the range it converts (its ZeRO-2 shard; for DDP an
+    equal part on chunk boundaries, then an ``Allgatherv``), and
+    :func:`mpishard.kernels.deposit.exact_sum` sums them there in one pass whose
+    words never leave the cache. On the wire: the default mode's bytes
+    (reduce-scatter and allgather of the gradient) with the reduce-scatter's
+    times the units a rank holds.
+  * **many units a rank**: the held units are deposited into ``K`` float64
+    words per element whenever the rows are full
+    (:func:`mpishard.kernels.deposit.deposit_rows`: one pass over the words for
+    the rows); at ``step()``: ``Allreduce(MAX)`` of the chunk bins over
+    ``groups.dp``, the words summed over it (DDP: ``Allreduce``; ZeRO-2:
+    ``Reduce_scatter`` or ``Allreduce``) and converted back.
 
-  The loss, and for clipping the global sum of squares (over each rank's
-  share: any partition gives the same bits), ride as words in the step's one
-  float64 ``Allreduce``, after a tiny ``Allreduce(MAX)`` of their bins over the
-  step group. Row counts and flags are small integers: exact anyway.
+  The loss (:class:`~mpishard.reprosum.ScalarSum`), and for clipping the global
+  sum of squares (over each rank's share: any partition gives the same bits),
+  ride as words in the step's one float64 ``Allreduce``, after a tiny
+  ``Allreduce(MAX)`` of their bins over the step group. Row counts and flags are
+  small integers: exact anyway. A unit's non-finite loss or gradient puts NaN
+  in those words and flags the rank that computed it: the step is refused.
 
 What holds: parameters, optimizer state and losses are bitwise equal for every
 data-parallel size that divides the unit count, DDP or ZeRO-2 (both reduce
 methods), any gradient accumulation on unit boundaries, with or without
-clipping, pipeline sizes and schedules at one tensor-parallel size, and
-across a checkpoint restart or resize (state is stored exactly). Tensor-parallel
-sizes change how a layer's matrix products are cut, hence the bits.
+clipping, pipeline sizes, schedules and micro-batch counts at one
+tensor-parallel size, and across a checkpoint restart or resize (state is
+stored exactly). Tensor-parallel sizes change how a layer's matrix products are
+cut, hence the bits.
 
-Costs: one forward/backward per unit (a unit's weight-gradient product writes
-the whole gradient, whatever its rows); with few units a rank, a copy of each
-unit's gradient but the last, and a pass of :func:`exact_sum` over the
-received pieces; with many, a deposit per unit and ``K`` words per element.
-The fewer units a rank computes, the closer to the default step:
-``benchmarks/bench_reproducible.py`` measures it.
+Costs: one forward/backward per unit (a unit's matrix products of ``R`` rows,
+and its weight-gradient products write the whole gradient, whatever its rows);
+the units' gradients copied aside and read once more (few a rank), or
+deposited into ``K`` words per element (many); their exchange. The fewer units
+a rank computes, the closer to the default step (``reproducible_sizes`` makes
+them fewer): ``benchmarks/bench_reproducible.py`` measures it.
 """
 
 from __future__ import annotations
@@ -76,8 +86,9 @@ from ..reprosum import (
     bin_of,
     words_to_float,
 )
+from .reproexchange import FloatExchange
 
-__all__ = ["DEFAULT_UNITS", "HELD_UNITS", "ReproducibleStep", "WordShards", "unit_rows_for"]
+__all__ = ["DEFAULT_UNITS", "HELD_UNITS", "ReproducibleStep", "unit_rows_for"]
 
 #: The default number of units in a global batch is ``gcd(B, DEFAULT_UNITS)``:
 #: 24 has the divisors 1, 2, 3, 4, 6, 8, 12, 24.
@@ -115,85 +126,6 @@ def _short_last_batch(strategy: Any, global_rows: int) -> bool:
     position = strategy.data_position
     return (position is not None and "batches" not in position
             and 0 < global_rows < int(position.get("batch_size", 0)))
-
-
-class WordShards:
-    """Sum the words of a :class:`~mpishard.reprosum.BinnedAccumulator` over a
-    group so that each rank gets only its shard's: one ``Reduce_scatter`` per
-    word row over the padded shard ranges (the words are padded per tensor).
-    Integer sums in float64: any algorithm gives the same bits. Made once."""
-
-    def __init__(self, acc: Any, shards: list[Any], rank: int, xp: Any) -> None:
-        ends = [acc.padded_offset(r.start) for r in shards] + [acc.padded_size]
-        self.counts = [b - a for a, b in zip(ends[:-1], ends[1:])]
-        self.span = (ends[rank], ends[rank + 1])
-        self.recv = xp.empty(max(self.counts[rank], 1), dtype=acc.words.dtype)
-
-    def reduce(self, group: Any, acc: Any) -> None:
-        """Collective over ``group``: the rank's padded span of every word row
-        holds the group's sum; the rest of the words is left as it was."""
-        lo, hi = self.span
-        recv = self.recv[:hi - lo]
-        for k in range(acc.k):
-            row = acc.words[k].reshape(-1)
-            group.Reduce_scatter(row[:acc.padded_size], recv, self.counts, slot="repro-words")
-            row[lo:hi] = recv
-
-    def nbytes(self) -> int:
-        return int(self.recv.nbytes)
-
-
-class _FloatExchange:
-    """The float path's plan over ``groups.dp`` (made on first need).
-
-    Rank ``j`` converts the *target* range ``targets[j]`` (its ZeRO-2 shard; for
-    DDP an equal part on chunk boundaries, then gathered) and receives, from
-    every rank and for every unit it holds, the values of the chunks that cover
-    that range, ``spans[j]``: a chunk's bin is set by its largest magnitude over
-    the whole chunk. ZeRO-2 shards do not respect chunks, so neighbouring spans
-    may share a chunk, which both receive (sent pieces may overlap).
-    """
-
-    def __init__(self, segments: list[tuple[int, int]], targets: list[Range], rank: int,
-                 dtype: Any, xp: Any, replicated: bool) -> None:
-        grid = ChunkGrid([b - a for a, b in segments])
-        self.targets = targets
-        #: Each rank holds the whole gradient (DDP): the parts are gathered after.
-        self.replicated = replicated
-        self.spans = [Range(grid.floor(t.start), grid.ceil(t.stop)) if len(t)
-                      else Range(t.start, t.start) for t in targets]
-        self.rank = rank
-        lo, hi = self.spans[rank]
-        # The chunks of this rank's span: the tensors' pieces in it (the span starts
-        # on a chunk boundary, so their chunks are the whole vector's).
-        self.grid = ChunkGrid([min(b, hi) - max(a, lo) for a, b in segments
-                               if min(b, hi) > max(a, lo)])
-        self.send_counts = [len(sp) for sp in self.spans]
-        self.send_displs = [sp.start for sp in self.spans]
-        self.xp = xp
-        self.dtype = np.dtype(dtype)
-        self._recv: Any = None          # received rows, grown on need
-
-    def rows(self, cap: int) -> Any:
-        """The receive buffer as ``(ranks * cap, span)`` rows: row ``j * cap + u``
-        holds rank ``j``'s unit ``u``."""
-        span = len(self.spans[self.rank])
-        size = cap * len(self.spans) * span
-        if self._recv is None or self._recv.size < size:
-            self._recv = self.xp.zeros(max(size, 1), dtype=self.dtype)
-        return self._recv[:size].reshape(len(self.spans) * cap, span)
-
-    def send(self, dp: Any, vector: Any, rows: Any, unit: int, cap: int) -> None:
-        """Send unit ``unit`` of this rank (``vector``, the whole gradient) to the
-        ranks whose spans it covers, into their row ``rank * cap + unit``.
-        Collective over ``dp``."""
-        span = rows.shape[1]
-        displs = [(j * cap + unit) * span for j in range(len(self.spans))]
-        dp.Alltoallv(vector, self.send_counts, rows.reshape(-1), [span] * len(self.spans),
-                     slot="repro-units", senddispls=self.send_displs, recvdispls=displs)
-
-    def nbytes(self) -> int:
-        return int(self._recv.nbytes) if self._recv is not None else 0
 
 
 class ReproducibleStep:
@@ -235,7 +167,7 @@ class ReproducibleStep:
         self._held: Any = None              # (rows, size), grown on need to held_max rows
         self._words: BinnedAccumulator | None = None      # on first need
         self._global_bins: Any = None
-        self._exchange: _FloatExchange | None = None
+        self._exchange: FloatExchange | None = None
         self._dp_to_step: list[int] | None = None     # flags: data-parallel -> step rank
         # Non-finite values this step: a unit's loss here; a unit's gradient here
         # (words path), or a rank whose unit this rank found so (float path). The
@@ -501,7 +433,7 @@ class ReproducibleStep:
         timings["deposit"] = timings.get("deposit", 0.0) + deposit
         timings["conversion"] = timings.get("conversion", 0.0) + convert
 
-    def _exchange_plan(self) -> _FloatExchange:
+    def _exchange_plan(self) -> FloatExchange:
         if self._exchange is None:
             s = self.strategy
             targets = s._repro_shards()
@@ -510,7 +442,7 @@ class ReproducibleStep:
                 grid = ChunkGrid([b - a for a, b in self.segments])
                 cuts = [grid.floor(r.start) for r in shard_ranges(self.size, s.dp.size)]
                 targets = [Range(a, b) for a, b in zip(cuts, cuts[1:] + [self.size])]
-            self._exchange = _FloatExchange(self.segments, list(targets), s.dp.rank,
+            self._exchange = FloatExchange(self.segments, list(targets), s.dp.rank,
                                             self.dtype, self.xp, replicated)
             s._peak_bytes = max(s._peak_bytes, s._current_bytes() + self.nbytes())
         return self._exchange

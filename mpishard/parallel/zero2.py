@@ -12,7 +12,7 @@ from ..errors import MpiShardError
 from ..flat import Range, shard_ranges
 from ..protocols import Model
 from .base import DataParallelCore, DataParallelOptions, _nbytes
-from .repro import WordShards
+from .reproexchange import WordShards
 
 __all__ = ["REDUCE_METHODS", "ZeRO2Core", "ZeRO2Options", "choose_reduce_method"]
 
