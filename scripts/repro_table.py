@@ -140,8 +140,13 @@ def main() -> None:
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if out.returncode:
             sys.exit(f"{' '.join(cmd)} failed:\n{out.stdout}\n{out.stderr}")
-        rows += [json.loads(line[4:]) for line in out.stdout.splitlines()
-                 if line.startswith("ROW ")]
+        # Another rank's terminal reset (ESC[0m, no newline) may land before a row.
+        got = [json.loads(line[line.index("ROW ") + 4:]) for line in out.stdout.splitlines()
+               if "ROW {" in line]
+        if len(got) != len(layouts(n)):
+            sys.exit(f"{' '.join(cmd)} printed {len(got)} rows for {len(layouts(n))} "
+                     f"layouts:\n{out.stdout}")
+        rows += got
     mlp = [r for r in rows if r["family"] == "mlp"]
     gpt = [r for r in rows if r["family"] == "gpt"]
     print("| layout | mlp-float32 | mlp-float64 |")
