@@ -2,7 +2,7 @@
 
 From the latency and bandwidth inside a node and across nodes, the compute rate
 and memory of a rank, and the model's size, it predicts for a layout (tp, pp, dp,
-DDP or ZeRO-2, flat or hierarchical gradient reduction): the step time, its
+DDP, ZeRO-2 or ZeRO-3, flat or hierarchical gradient reduction): the step time, its
 communication time, the memory per rank and the pipeline bubble. One process,
 no MPI. ``mpishard plan`` (:mod:`mpishard.commands.plan`) prints it.
 
@@ -21,11 +21,20 @@ The model (alpha-beta, per node link):
 * compute: ``6 * parameters * tokens`` FLOP per step (forward and backward),
   spread over the ranks, at ``--tflops`` per rank; communication does not overlap
   it (mpishard reduces after the backward where that measured faster).
+* data parallel: DDP allreduces the gradient; ZeRO-2 reduce-scatters it and
+  allgathers the updated parameters; ZeRO-3 reduce-scatters it and allgathers
+  the parameters twice, before the forward and again before the backward (a
+  layer at a time: the sum over the layers moves the vector). An allgather is
+  flat (not hierarchical), a factor of the flat allreduce (1/2 when the MPI's is
+  bandwidth-optimal; calibrated in ``--validate``). The gathers are counted as
+  exposed, like the rest (prefetch hides some of them where the MPI progresses
+  them during compute).
 * memory per rank: parameters, gradients and Adam's two moments (ZeRO-2: the
-  gradient and the moments of a 1/dp shard) of the rank's 1/(tp pp) of the
-  model, plus activations ``seq h (34 + 5 heads seq / h)`` bytes per layer and
-  micro-batch at 2-byte precision (Korthikanti et al. 2022), scaled to the dtype,
-  /tp, with ``pp`` micro-batches in flight on the first stage (1F1B).
+  gradient and the moments of a 1/dp shard; ZeRO-3: all three of a 1/dp shard,
+  plus the gathered parameters of two layers, prefetch's two slots) of the
+  rank's 1/(tp pp) of the model, plus activations ``seq h (34 + 5 heads seq /
+  h)`` bytes per layer and micro-batch at 2-byte precision (Korthikanti et al.
+  2022), scaled to the dtype, /tp, with ``pp`` micro-batches in flight on the first stage (1F1B).
 """
 
 from __future__ import annotations
@@ -33,8 +42,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GPT7B", "Layout", "Machine", "ModelSpec", "best_layouts", "predict",
-           "reduction_time", "table", "validate"]
+__all__ = ["GPT7B", "STRATEGIES", "Layout", "Machine", "ModelSpec", "best_layouts",
+           "gather_time", "predict", "reduction_time", "table", "validate"]
+
+#: The data-parallel strategies the model knows.
+STRATEGIES = ("ddp", "zero2", "zero3")
+# Allgathers of the parameters per step: ZeRO-2's after the update, ZeRO-3's
+# before the forward and again before the backward.
+_GATHERS = {"zero2": 1, "zero3": 2}
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,8 @@ class Machine:
     # Reduce-scatter time / allreduce time: 1/2 for a bandwidth-optimal MPI;
     # Open MPI 4.1 measured 1.1 here (benchmarks/bench_nodes.py, 4 ranks on one node).
     reduce_scatter_cost: float = 0.5
+    # Allgather time / allreduce time (flat, the same bytes): 1/2 bandwidth-optimal.
+    allgather_cost: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -135,6 +152,13 @@ def reduction_time(n: float, dp: int, per_node: int, machine: Machine, reduction
                (1 if half else 2) * (per_node - 1) / per_node * n / machine.bandwidth_inside))
 
 
+def gather_time(n: float, dp: int, per_node: int, machine: Machine,
+                placement: str = "slot") -> float:
+    """Seconds to allgather ``n`` bytes (in all) over a data group of ``dp`` ranks,
+    ``per_node`` on each node: ``machine.allgather_cost`` times the flat allreduce."""
+    return machine.allgather_cost * reduction_time(n, dp, per_node, machine, "flat", placement)
+
+
 def predict(model: ModelSpec, layout: Layout, machine: Machine) -> dict[str, Any]:
     """Step time, its parts, memory per rank and bubble of ``layout``. Pure."""
     tp, pp, dp, m = layout.tp, layout.pp, layout.dp, layout.m
@@ -161,12 +185,15 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> dict[str, Any
     per_node_dp = max(1, machine.ranks_per_node // tp) if inside_tp else 1
     grad = local_params * b
     dp_comm = reduction_time(grad, dp, per_node_dp, machine, layout.reduction,
-                             layout.placement, half=layout.strategy == "zero2")
-    if layout.strategy == "zero2" and dp > 1:   # and the parameters' allgather
-        dp_comm *= 2
+                             layout.placement, half=layout.strategy in _GATHERS)
+    dp_comm += _GATHERS.get(layout.strategy, 0) * gather_time(grad, dp, per_node_dp, machine,
+                                                              layout.placement)
     states = 2 * local_params * b                   # Adam's two moments
     if layout.strategy == "zero2":
         model_bytes = local_params * b + (local_params * b + states) / dp
+    elif layout.strategy == "zero3":
+        gathered = 2 * local_params * b / max(1, model.layers // pp)
+        model_bytes = (2 * local_params * b + states) / dp + gathered
     else:
         model_bytes = 2 * local_params * b + states
     # One micro-batch's activations of one layer; 1F1B keeps min(m, pp) micro-batches
@@ -198,7 +225,7 @@ def best_layouts(model: ModelSpec, world: int, machine: Machine, global_batch: i
             dp = world // (tp * pp)
             if global_batch % dp:
                 continue
-            for strategy in ("ddp", "zero2"):
+            for strategy in STRATEGIES:
                 layout = Layout(tp, pp, dp, strategy, reduction, global_batch=global_batch)
                 out.append(predict(model, layout, machine))
     return sorted(out, key=lambda r: (not r["fits"], r["step_s"]))
@@ -218,7 +245,8 @@ def table(model: ModelSpec, machine: Machine, global_batch: int,
 
 
 def validate(records: list[dict[str, Any]]) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Predicted against measured for the lines of ``benchmarks/bench_nodes.py``.
+    """Predicted against measured for the lines of ``benchmarks/bench_nodes.py``
+    (and the ``zero_step`` lines of ``benchmarks/bench_zero3.py --cluster``).
 
     Calibration, then prediction of the rest. A ping-pong between two ranks
     overstates what a collective gets where ranks share cores and the reduction
@@ -229,9 +257,9 @@ def validate(records: list[dict[str, Any]]) -> tuple[dict[str, float], list[dict
     across from the one-rank-per-node run (``Nx1``); latencies are the
     (median) ping-pong ones. Everything else is predicted: the other
     sizes, reduce-scatter, the hierarchical reductions, the layouts with several
-    nodes of several ranks, and the DDP steps (the one-node step's compute, its
-    measured time less the model's reduction time there, plus the model's
-    reduction time of the layout). Returns the calibration and one row per
+    nodes of several ranks, and the DDP, ZeRO-2 and ZeRO-3 steps (the one-node
+    step's compute, its measured time less the model's communication there, plus
+    the model's communication of the layout). Returns the calibration and one row per
     prediction (``measured_s``, ``predicted_s``, ``error`` = predicted/measured - 1).
     """
     by_layout: dict[str, list[dict[str, Any]]] = {}
@@ -265,7 +293,10 @@ def validate(records: list[dict[str, Any]]) -> tuple[dict[str, float], list[dict
     # Reduce-scatter against allreduce: the one-node flat ones of the same size.
     rs = [r for r in by_layout[inside_run["layout"]] if r["kind"] == "reduction"
           and r["op"] == "reduce_scatter" and r["way"] == "flat" and r["mib"] == inside_run["mib"]]
+    ag = [r for r in by_layout[inside_run["layout"]] if r["kind"] == "reduction"
+          and r["op"] == "allgather" and r["mib"] == inside_run["mib"]]
     calib = {"reduce_scatter_cost": rs[0]["seconds"] / inside_run["seconds"] if rs else 0.5,
+             "allgather_cost": ag[0]["seconds"] / inside_run["seconds"] if ag else 0.5,
              "bandwidth_inside": inside_run["busbw_gbs"] * 1e9,
              "bandwidth_across": across * 1e9,
              "latency_inside": link("inside", "latency_us", 5.0) * 1e-6,
@@ -279,31 +310,47 @@ def validate(records: list[dict[str, Any]]) -> tuple[dict[str, float], list[dict
                           bandwidth_inside=calib["bandwidth_inside"],
                           latency_across=calib["latency_across"],
                           bandwidth_across=calib["bandwidth_across"],
-                          reduce_scatter_cost=calib["reduce_scatter_cost"])
+                          reduce_scatter_cost=calib["reduce_scatter_cost"],
+                          allgather_cost=calib["allgather_cost"])
         placement = "round-robin" if name.endswith("rr") else "slot"
         for r in rs:
-            if r is inside_run or r is across_run or (rs and r is rs[0]):
+            if r is inside_run or r is across_run or (rs and r is rs[0]) or (ag and r is ag[0]):
                 continue
-            if r["kind"] == "reduction":
+            if r["kind"] == "reduction" and r["op"] == "allgather":
+                predicted = gather_time(r["mib"] * (1 << 20), nodes * per, per, machine,
+                                        placement)
+                out.append({"layout": name, "what": f"allgather {r['mib']:g} MiB flat",
+                            "measured_s": r["seconds"], "predicted_s": predicted})
+            elif r["kind"] == "reduction":
                 predicted = reduction_time(r["mib"] * (1 << 20), nodes * per, per, machine,
                                            r["way"], placement, half=r["op"] == "reduce_scatter")
                 out.append({"layout": name, "what": f"{r['op']} {r['mib']:g} MiB {r['way']}",
                             "measured_s": r["seconds"], "predicted_s": predicted})
-            elif r["kind"] == "ddp_step" and not r.get("overlap"):
-                comm = reduction_time(r["gradient_mib"] * (1 << 20), nodes * per, per, machine,
-                                      r["way"], placement)
+            elif r["kind"] in ("ddp_step", "zero_step") and not r.get("overlap"):
+                n = r["gradient_mib"] * (1 << 20)
+                if r["kind"] == "ddp_step":
+                    comm = reduction_time(n, nodes * per, per, machine, r["way"], placement)
+                    key = ("ddp", r["way"], nodes * per)
+                    what = f"DDP step {r['way']}"
+                else:   # ZeRO-2 and ZeRO-3: reduce-scatter and allgather(s), flat
+                    comm = (reduction_time(n, nodes * per, per, machine, "flat", placement,
+                                           half=True)
+                            + _GATHERS[r["strategy"]] * gather_time(n, nodes * per, per,
+                                                                    machine, placement))
+                    key = (r["strategy"], r.get("prefetch", True), nodes * per)
+                    what = f"{r['strategy']} step" + ("" if key[1] else " no prefetch")
                 if nodes == 1:
-                    compute[r["way"], per] = r["seconds_per_step"] - comm
+                    compute[key] = r["seconds_per_step"] - comm
                 else:
-                    out.append({"layout": name, "what": f"DDP step {r['way']}",
+                    out.append({"layout": name, "what": what,
                                 "measured_s": r["seconds_per_step"], "comm_s": comm,
-                                "predicted_s": None, "way": r["way"], "per": nodes * per})
+                                "predicted_s": None, "key": key})
     for row in out:
         if row["predicted_s"] is None:
-            base = compute.get((row.pop("way"), row.pop("per")))
-            row["predicted_s"] = None if base is None else base + row.pop("comm_s")
+            base = compute.get(row["key"])
+            row["predicted_s"] = None if base is None else base + row["comm_s"]
     out = [row for row in out if row["predicted_s"] is not None]
     for row in out:
-        row.pop("way", None), row.pop("per", None), row.pop("comm_s", None)
+        row.pop("key", None), row.pop("comm_s", None)
         row["error"] = row["predicted_s"] / row["measured_s"] - 1
     return calib, out

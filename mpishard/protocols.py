@@ -9,7 +9,9 @@ The library's own models (:mod:`mpishard.nn`) also implement
 :class:`BucketedModel`: they let a strategy redirect where gradients are written
 and tell it when each layer's gradients are complete, which is how DDP overlaps
 its Allreduces with the backward pass and how ZeRO-2 avoids ever holding the full
-reduced gradient.
+reduced gradient. They also implement :class:`ShardableModel`: a strategy may
+place their parameters elsewhere and is told before and after each layer reads
+them, which is how ZeRO-3 gathers one bucket of parameters at a time.
 
 An **optimizer** updates any contiguous range of the flat vectors: it is given
 ``params[r]``, ``grads[r]`` and state arrays of length ``len(r)``, and never knows
@@ -19,11 +21,16 @@ which strategy calls it (ZeRO-2 is "the same optimizer on my shard").
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 from .flat import ParamLayout, Range
 
 __all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "INFERENCE",
+    "PHASES",
     "BackwardHooks",
     "BucketedModel",
     "CollectiveDataset",
@@ -32,9 +39,16 @@ __all__ = [
     "HasCore",
     "Model",
     "Optimizer",
+    "ParameterHooks",
+    "ShardableModel",
     "StrategyCore",
     "UnitPassModel",
 ]
+
+#: The passes a :class:`ParameterHooks` object is told about: a training forward
+#: (its backward follows), the backward, and a forward for prediction only.
+FORWARD, BACKWARD, INFERENCE = "forward", "backward", "inference"
+PHASES = (FORWARD, BACKWARD, INFERENCE)
 
 
 @runtime_checkable
@@ -113,6 +127,50 @@ class BucketedModel(Model, Protocol):
     def set_batch_context(self, step: int, start: int, global_size: int) -> None: ...
 
 
+class ParameterHooks(Protocol):
+    """Callbacks a strategy gives a :class:`ShardableModel`
+    (:class:`~mpishard.comm.gather.ParameterGather` is the library's, for ZeRO-3).
+
+    The symmetric twin of :class:`BackwardHooks`, for parameter *reads*:
+    ``before(r, phase)`` is called before a layer first reads its parameters in a
+    pass, ``after(r, phase)`` after it last read them, with ``r`` the world range
+    of the layer's tensors (a unit of the layout,
+    :func:`~mpishard.flat.unit_ranges`) and ``phase`` one of :data:`PHASES`.
+    Layers are visited first to last in ``"forward"`` and ``"inference"``, last
+    to first in ``"backward"`` (where ``before`` comes before the gradient hooks'
+    ``before`` and ``after`` after the layer's input gradient). Every parameter
+    read of the model happens between such calls, so a strategy may keep the
+    values elsewhere the rest of the time.
+    """
+
+    def before(self, r: Range, phase: str) -> None: ...
+
+    def after(self, r: Range, phase: str) -> None: ...
+
+
+@runtime_checkable
+class ShardableModel(Protocol):
+    """A model whose parameter storage and parameter reads a strategy can see.
+
+    * ``bind_parameters(view, params=None)``: from now on the parameters of
+      tensor ``name`` are read from ``view(name)`` (an array of the tensor's
+      shape); ``params`` becomes the given whole vector the views are of, or
+      ``None``: the storage belongs to the strategy (ZeRO-3 gives views into a
+      few bucket-sized buffers and fills them just before use). Binding does
+      not copy values.
+    * ``set_parameter_hooks(hooks)``: call ``hooks.before``/``hooks.after``
+      (:class:`ParameterHooks`) around each layer's parameter reads; ``None``
+      removes them.
+
+    A model without it (a :class:`~mpishard.nn.FunctionModel`, a user's model)
+    keeps its whole parameter vector under every strategy.
+    """
+
+    def bind_parameters(self, view: Callable[[str], Any], params: Any = None) -> None: ...
+
+    def set_parameter_hooks(self, hooks: ParameterHooks | None) -> None: ...
+
+
 @runtime_checkable
 class UnitPassModel(Protocol):
     """A model that runs several units of reproducible mode in one pass, each
@@ -120,16 +178,18 @@ class UnitPassModel(Protocol):
     units are the micro-batches of one pass of its pipeline schedule).
 
     * ``micro_batches``: the most units a pass runs.
-    * ``forward_backward_units(xs, ys, losses, loss_scale, before_backward,
-      after_backward)``: unit ``i`` is ``(xs[i], ys[i])``; no backward
-      accumulates: between ``after_backward(i)`` and the next unit's
-      ``before_backward`` the model's gradient is unit ``i``'s alone, of
+    * ``forward_backward_units(xs, ys, losses, contexts, loss_scale,
+      before_backward, after_backward)``: unit ``i`` is ``(xs[i], ys[i])``, its
+      batch context ``contexts[i]`` (as ``set_batch_context``'s arguments; None:
+      none); no backward accumulates: between ``after_backward(i)`` and the next
+      unit's ``before_backward`` the model's gradient is unit ``i``'s alone, of
       ``loss_scale`` times its mean loss; ``losses[i]`` receives that mean.
     """
 
     micro_batches: int
 
     def forward_backward_units(self, xs: list[Any], ys: list[Any], losses: Any, *,
+                               contexts: list[tuple[int, int, int]] | None = None,
                                loss_scale: float = 1.0,
                                before_backward: Callable[[int], None] | None = None,
                                after_backward: Callable[[int], None] | None = None
@@ -232,8 +292,11 @@ class StrategyCore(Protocol):
     before :meth:`attach`); ``step_count``, ``skipped_steps`` and
     ``data_position`` are saved and restored with checkpoints;
     ``optimizer_state_shard()`` gives the world range of the optimizer state
-    this rank holds and the state by name; ``rebuild(config)`` sets the core up
-    again over new groups keeping its options.
+    this rank holds and the state by name, ``parameter_shard()`` the world range
+    of the parameters it holds and them (the whole vector, or a ZeRO-3 shard);
+    ``gathered_parameters()`` the whole vector for a ``with`` block;
+    ``dtype`` is the parameters' (None before attach); ``rebuild(config)`` sets
+    the core up again over new groups keeping its options.
     """
 
     strategy: str
@@ -245,6 +308,7 @@ class StrategyCore(Protocol):
     step_count: int
     skipped_steps: int
     data_position: dict[str, int] | None
+    dtype: Any
 
     def attach(self, model: Any) -> None: ...
 
@@ -256,6 +320,10 @@ class StrategyCore(Protocol):
     def current_lr(self) -> float: ...
 
     def optimizer_state_shard(self) -> tuple[Range, dict[str, Any]]: ...
+
+    def parameter_shard(self) -> tuple[Range, Any]: ...
+
+    def gathered_parameters(self) -> AbstractContextManager[Any]: ...
 
     def rebuild(self, config: Any) -> None: ...
 

@@ -63,7 +63,7 @@ def main() -> None:
     model = MLP([5, 16, 16, 3], activation="tanh", dtype=np.float64, seed=1)
     # ZeRO-2's "auto" reduce method is chosen by timing, and Reduce_scatter and
     # Allreduce may sum in different orders: pin it so runs compare bit for bit.
-    pinned = {"reduce_method": "reduce_scatter"} if args.strategy == "zero2" else {}
+    pinned = {"reduce_method": "reduce_scatter"} if args.strategy in ("zero2", "zero3") else {}
     opt = ElasticOptimizer(Adam(lr=3e-3), ShardingConfiguration(comm), args.min_workers,
                            args.max_workers, strategy=args.strategy, checkpoint_dir=args.ckpt,
                            checkpoint_every=args.every, **pinned)
@@ -108,8 +108,10 @@ def main() -> None:
            "recovery_seconds": opt.recovery_seconds, "recoveries": result.recoveries,
            "world_size": opt.config.world.size})
     code = EXIT_STOPPED if result.stopped else 0   # checkpointed, relaunch me
+    with opt.gathered_parameters() as params:      # ZeRO-3: gathered (every rank)
+        final = np.array(params)
     if not code and args.out and opt.config.world.rank == 0:
-        np.save(args.out, model.params)
+        np.save(args.out, final)
     if result.recoveries:   # lost a rank (ULFM): MPI_Finalize may wait for it forever
         from mpishard.comm import ulfm
 

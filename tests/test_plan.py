@@ -7,7 +7,15 @@ import json
 import pytest
 
 from mpishard.cli import main
-from mpishard.costmodel import GPT7B, Layout, Machine, ModelSpec, predict, reduction_time
+from mpishard.costmodel import (
+    GPT7B,
+    Layout,
+    Machine,
+    ModelSpec,
+    best_layouts,
+    predict,
+    reduction_time,
+)
 
 # Round numbers: 1 GB/s across, 10 GB/s inside, no latency.
 M = Machine(ranks_per_node=4, latency_inside=0.0, bandwidth_inside=10e9, latency_across=0.0,
@@ -70,3 +78,62 @@ def test_plan_table_and_validate_commands(capsys, tmp_path):
     assert out[1]["what"] == "allreduce 4 MiB flat"
     assert out[1]["predicted_s"] == pytest.approx(0.08, rel=1e-3)
     assert out[1]["error"] == pytest.approx(-0.2, rel=1e-2)
+
+
+def test_zero3_communication_and_memory_are_the_closed_forms():
+    """ZeRO-3 moves the gradient's bytes three times (a reduce-scatter and two
+    allgathers of the parameters, forward and backward), ZeRO-2 twice; it holds
+    1/dp of parameters, gradients and moments, plus two layers' parameters."""
+    model = ModelSpec(parameters=1e9, layers=8, hidden=1024, heads=8, seq=1024)
+    flat = dict(reduction="flat", global_batch=64, micro_batches=8)
+    ddp = predict(model, Layout(1, 1, 8, "ddp", **flat), M)
+    zero2 = predict(model, Layout(1, 1, 8, "zero2", **flat), M)
+    zero3 = predict(model, Layout(1, 1, 8, "zero3", **flat), M)
+    allreduce = reduction_time(4e9, 8, 4, M, "flat")
+    assert ddp["dp_comm_s"] == pytest.approx(allreduce)
+    assert zero2["dp_comm_s"] == pytest.approx(0.5 * allreduce + 0.5 * allreduce)
+    assert zero3["dp_comm_s"] == pytest.approx(0.5 * allreduce + 2 * 0.5 * allreduce)
+    slow = Machine(**{**M.__dict__, "allgather_cost": 1.0})
+    assert predict(model, Layout(1, 1, 8, "zero3", **flat), slow)["dp_comm_s"] == \
+        pytest.approx(0.5 * allreduce + 2 * allreduce)
+    act = ddp["memory_gb"] - 16.0
+    assert zero2["memory_gb"] - act == pytest.approx(4.0 + 12.0 / 8)
+    assert zero3["memory_gb"] - act == pytest.approx(16.0 / 8 + 2 * 4.0 / 8)
+    # The plan lists ZeRO-3 layouts, and the fastest fitting one of a 7B model.
+    ranked = best_layouts(GPT7B, 64, Machine(), 1024)
+    assert {r["strategy"] for r in ranked} == {"ddp", "zero2", "zero3"}
+
+
+def test_validate_predicts_zero_steps_from_the_one_node_run(capsys, tmp_path):
+    lines = [{"layout": "1x2", "kind": "reduction", "op": "allreduce", "way": "flat",
+              "mib": 1, "seconds": 0.01, "busbw_gbs": 0.1048576},
+             {"layout": "1x2", "kind": "reduction", "op": "allgather", "way": "flat",
+              "mib": 1, "seconds": 0.004, "busbw_gbs": 0},
+             {"layout": "2x1", "kind": "reduction", "op": "allreduce", "way": "flat",
+              "mib": 1, "seconds": 0.02, "busbw_gbs": 0.0524288},
+             {"layout": "1x2", "kind": "zero_step", "strategy": "zero3", "prefetch": True,
+              "gradient_mib": 1, "seconds_per_step": 0.1},
+             {"layout": "2x1", "kind": "zero_step", "strategy": "zero3", "prefetch": True,
+              "gradient_mib": 1, "seconds_per_step": 0.2}]
+    path = tmp_path / "bench.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["plan", "--validate", str(path), "--json"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    calib = out[0]["calibration"]
+    assert calib["allgather_cost"] == pytest.approx(0.4)
+    [step] = [r for r in out[1:] if r["what"] == "zero3 step"]
+    # One node: compute = 0.1 - (rs + 2 ag) there; 2x1: compute + (rs + 2 ag) across.
+    inside = Machine(ranks_per_node=2, latency_inside=calib["latency_inside"],
+                     bandwidth_inside=calib["bandwidth_inside"],
+                     latency_across=calib["latency_across"],
+                     bandwidth_across=calib["bandwidth_across"],
+                     reduce_scatter_cost=calib["reduce_scatter_cost"], allgather_cost=0.4)
+    across = Machine(**{**inside.__dict__, "ranks_per_node": 1})
+    n = float(1 << 20)
+
+    def comm(machine, per):
+        return (reduction_time(n, 2, per, machine, "flat", half=True)
+                + 2 * 0.4 * reduction_time(n, 2, per, machine, "flat"))
+
+    assert step["predicted_s"] == pytest.approx(0.1 - comm(inside, 2) + comm(across, 1))
+    assert step["measured_s"] == 0.2

@@ -448,8 +448,9 @@ def train_pipeline(comm, pp, kind, dtype, schedule, data_parallel, clip=0.5, mic
     data = token_data() if kind == "gpt" else mlp_data()
     result = strategy.optimize(model, data, epochs=EPOCHS, batch_size=BATCH)
     # Each stage's tensors by logical name, gathered to compare with one process.
-    tensors = {name: np.array(model.layout.view(model.params, name))
-               for name in model.layout.names}
+    with strategy.gathered_parameters() as params:
+        tensors = {name: np.array(model.layout.view(params, name))
+                   for name in model.layout.names}
     every = config.groups.pp.allgather(tensors)
     config.free()
     merged = {}
@@ -500,6 +501,57 @@ def test_pipeline_same_bits_as_one_process(layout, micro, schedule, data_paralle
     mine = train_pipeline(MPI.COMM_WORLD, pp, kind, dtype, schedule, data_parallel,
                           micro=micro)
     assert len(mine[1]) == 30
+    assert flat_digest(*mine) == reference
+
+
+def train_pipeline_unequal(comm, pp, data_parallel, micro, empty=False):
+    """5 steps of ``backward`` on rows of the global batch given by hand, the
+    data-parallel ranks holding unequal units (8 units: 5 and 3 at 2 ranks; 3, 2,
+    2, 1 at 4; ``empty``: the last rank none, its share to the first); the
+    tensors by name (gathered) and the losses."""
+    config = ShardingConfiguration(comm, pipeline_parallel_size=pp, reproducible=True,
+                                   unit_rows=PIPE_UNIT)
+    model = HybridShardedModel(pipeline_factory("gpt", np.float64), config,
+                               micro_batches=micro, schedule="1f1b")
+    strategy = HybridShardedOptimizer(AdamW(lr=1e-2, weight_decay=0.01), config,
+                                      data_parallel=data_parallel, model=model,
+                                      max_grad_norm=0.5)
+    dp, units = config.groups.dp, BATCH // PIPE_UNIT
+    counts = [units // dp.size] * dp.size
+    if dp.size > 1:
+        moved = counts[-1] if empty else 1
+        counts[0] += moved
+        counts[-1] -= moved
+    lo = sum(counts[:dp.rank]) * PIPE_UNIT
+    hi = lo + counts[dp.rank] * PIPE_UNIT
+    x, y = token_data()
+    losses = []
+    for step in range(5):
+        xs, ys = x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH]
+        strategy.backward(xs[lo:hi], ys[lo:hi], batch_start=lo, global_rows=BATCH)
+        losses.append(strategy.step())
+    with strategy.gathered_parameters() as params:
+        tensors = {name: np.array(model.layout.view(params, name))
+                   for name in model.layout.names}
+    merged = {}
+    for part in config.groups.pp.allgather(tensors):
+        merged.update(part)
+    config.free()
+    return merged, np.array(losses)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("micro, empty", [(2, False), (4, False), (4, True)])
+@pytest.mark.parametrize("data_parallel", ["zero3", "zero2"])
+@pytest.mark.parametrize("layout", PIPE_LAYOUTS, ids=lambda t: f"pp{t[0]}-dp{t[1]}")
+def test_pipeline_unequal_units_same_bits(layout, data_parallel, micro, empty):
+    """Ranks holding unequal units, a rank none (rows given to backward by hand):
+    ZeRO-3 gathers the stage's parameters over the data group inside the passes,
+    so every rank runs the passes of the most units any holds (stand-ins of zeros
+    for its missing ones); the bits are one process's."""
+    pp, _ = layout
+    reference = flat_digest(*train_pipeline_unequal(MPI.COMM_SELF, 1, "ddp", 1))
+    mine = train_pipeline_unequal(MPI.COMM_WORLD, pp, data_parallel, micro, empty)
     assert flat_digest(*mine) == reference
 
 

@@ -66,7 +66,7 @@ def test_defaults_run_both_examples_and_flags_override_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("given, world, message", [
-    ({"strategy": "zero3"}, 4, "unknown strategy 'zero3': choose one of ddp, zero2, hybrid"),
+    ({"strategy": "zero4"}, 4, "unknown strategy 'zero4': choose one of ddp, zero2, zero3, hybrid"),
     ({"strategy": "hybrid", "tp": 3}, 4, "impossible layout: tp 3 x pp 1 does not fit 4 rank(s)"),
     ({"tp": 2}, 4, "--tp 2 --pp 1 need --strategy hybrid"),
     ({"example": "gpt", "batch_size": 30}, 4, "does not split across 4 data-parallel rank(s)"),
@@ -98,7 +98,8 @@ def test_bad_input_is_one_line_on_rank_0_with_exit_code_2(tmp_path):
                      "--hidden", "32", "--checkpoint-dir", str(ck), "--out", str(tmp_path))
     assert first.returncode == 0, first.stderr
     cases = [
-        (["--strategy", "zero3"], "unknown strategy 'zero3': choose one of ddp, zero2, hybrid"),
+        (["--strategy", "zero4"],
+         "unknown strategy 'zero4': choose one of ddp, zero2, zero3, hybrid"),
         (["--strategy", "hybrid", "--tp", "3"], "impossible layout: tp 3 x pp 1 does not fit 2"),
         (["--data", str(tmp_path / "missing.h5") + ":/x"], "missing.h5: no such file"),
         (["--config", str(toml)], "unknown key 'learning_rate'; valid keys: example, data,"),

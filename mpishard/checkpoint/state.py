@@ -13,8 +13,10 @@ ranges of the local vector are named, on data-parallel rank ``r`` of ``N``:
   reads and verifies, so that no rank moves everything and each byte is
   checksummed once;
 * the **state range** ``R`` of ``strategy.optimizer_state_shard()``: the whole
-  vector under DDP, the rank's ZeRO shard under ZeRO-2 (any ranges that
-  partition the vector work).
+  vector under DDP, the rank's ZeRO shard under ZeRO-2 and ZeRO-3 (any ranges
+  that partition the vector work); likewise the **parameter range** of
+  ``strategy.parameter_shard()``: the whole vector, or the rank's ZeRO-3 shard
+  (a vector held whole is written and read by shares, then gathered).
 
 Of a tensor replicated over the tensor group only tensor rank 0 writes (and
 verifies) its elements. A range of the local vector crosses tensor boundaries
@@ -304,7 +306,7 @@ def _save(path: str | os.PathLike, model: Any, strategy: Any, place: Placement, 
     world = place.world
     # The first call of a save is this agreement, under the timeout: a rank that
     # does not come is named here, before any HDF5 collective (which cannot be timed).
-    problem = None
+    problem = _sharded_problem(path, model, strategy)
     if strategy is not None and strategy.model is not model:
         problem = ValueError(f"{os.fspath(path)}: the model is not the one attached to "
                              f"the strategy (attach it, or pass strategy.model)")
@@ -315,11 +317,15 @@ def _save(path: str | os.PathLike, model: Any, strategy: Any, place: Placement, 
             problem = exc
     agree_error(world, problem)
     layout: ParamLayout = model.layout
-    n, dtype = layout.size, np.dtype(model.params.dtype)
+    n = layout.size
     share = shard_ranges(n, place.dp_size)[place.dp_rank]
+    held, params = (Range(0, n), model.params) if strategy is None else strategy.parameter_shard()
+    dtype = np.dtype(params.dtype)
+    mine = share if held == Range(0, n) else held   # ZeRO-3: the shard is the share
     tensors = declared(layout, place, PARAMS, dtype)
     pieces = vector_pieces(layout, place, PARAMS,
-                           _local(model.params[share.start:share.stop]), share.start, share)
+                           _local(params[mine.start - held.start:mine.stop - held.start]),
+                           mine.start, mine)
     attrs: dict[str, dict[str, Any]] = {PARAMS: {}}
     if strategy is None:
         meta = model.training_metadata() if isinstance(model, DescribedModel) else None
@@ -479,8 +485,11 @@ def _load(path: str | os.PathLike, model: Any, strategy: Any, place: Placement,
     # The first call of a load is the agreement on the header (rank 0 reads it),
     # under the timeout; loading uses no HDF5 collective (each rank reads alone).
     info = open_checkpoint(os.path.abspath(os.fspath(path)), world)
+    agree_error(world, _sharded_problem(path, model, strategy))
     layout: ParamLayout = model.layout
-    dtype = np.dtype(model.params.dtype)
+    n = layout.size
+    held, params = (Range(0, n), model.params) if strategy is None else strategy.parameter_shard()
+    dtype = np.dtype(params.dtype)
     problem = local_problem(info, layout, place, dtype)
     # Agreed on first: a pipeline stage sees only its own tensors' shapes, so a
     # shape mismatch on one stage must win over the architecture on another.
@@ -496,28 +505,17 @@ def _load(path: str | os.PathLike, model: Any, strategy: Any, place: Placement,
         problem = _state_problem(info, strategy)
     agree_error(world, CheckpointError(problem) if problem else None)
 
-    n = layout.size
     shares = shard_ranges(n, place.dp_size)
     share = shares[place.dp_rank]
-    params_stage = np.empty(len(share), dtype=dtype)
-    requests = vector_requests(info, layout, place, PARAMS, params_stage, share.start, share)
+    whole_params = _whole(place, held, n, info, "parameter")
+    mine = share if whole_params else held
+    params_stage = np.empty(len(mine), dtype=dtype)
+    requests = vector_requests(info, layout, place, PARAMS, params_stage, mine.start, mine)
     stages: dict[str, np.ndarray] = {}
     replicated = True
     if strategy is not None:
         state_range, state = strategy.optimizer_state_shard()
-        # Decided from every rank's range, so that all ranks take the same branch
-        # (a one-element ZeRO vector is "whole" on rank 0 and empty elsewhere).
-        # Not tuple(state_range): Range's __len__ is its length, which tuple()
-        # takes as a size hint and allocates.
-        pair = (state_range.start, state_range.stop)
-        every = place.dp.allgather(pair) if place.dp_size > 1 else [pair]
-        replicated = all(r == (0, n) for r in every)
-        if not replicated:
-            ranges = sorted(every)
-            covered = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-            if not (covered and ranges[0][0] == 0 and ranges[-1][1] == n):
-                raise CheckpointError(f"{info.path}: the strategy's optimizer-state ranges "
-                                      f"{ranges} do not partition the {n} elements")
+        replicated = _whole(place, state_range, n, info, "optimizer-state")
         mine = share if replicated else state_range
         for s in info.state_names:
             stages[s] = np.empty(len(mine), dtype=dtype)
@@ -526,7 +524,11 @@ def _load(path: str | os.PathLike, model: Any, strategy: Any, place: Placement,
     read_blocks(info, world, requests)
 
     # Verified everywhere: commit.
-    _allgather_into(place.dp, params_stage, model.params, shares)
+    if whole_params:
+        _allgather_into(place.dp, params_stage, params, shares)
+    else:
+        xp = array_namespace(params)
+        xp.copyto(params, xp.asarray(params_stage))
     if strategy is not None:
         for s, stage in stages.items():
             if replicated:
@@ -542,6 +544,39 @@ def _load(path: str | os.PathLike, model: Any, strategy: Any, place: Placement,
                                    if k in info.data})
         _settings(info, strategy, world)
     return info
+
+
+def _sharded_problem(path: str | os.PathLike, model: Any, strategy: Any) -> Exception | None:
+    """A model whose parameters a ZeRO-3 strategy holds, given without it."""
+    if strategy is None and getattr(model, "params", 0) is None:
+        return CheckpointError(
+            f"{os.fspath(path)}: the model's parameters are sharded (ZeRO-3): pass its "
+            f"strategy, or use the whole vector inside strategy.gathered_parameters()")
+    return None
+
+
+def _whole(place: Placement, held: Range, n: int, info: CheckpointInfo, what: str) -> bool:
+    """Whether every rank of the data group holds the whole vector (``held`` is
+    this rank's range of it), else check that the ranges partition it.
+
+    Decided from every rank's range, so that all ranks take the same branch (a
+    one-element ZeRO vector is "whole" on rank 0 and empty elsewhere). Not
+    ``tuple(held)``: Range's ``__len__`` is its length, which ``tuple()`` takes as
+    a size hint and allocates. Collective over ``place.dp``.
+
+    Raises:
+        CheckpointError: the ranges do not partition the vector (on every rank).
+    """
+    pair = (held.start, held.stop)
+    every = place.dp.allgather(pair) if place.dp_size > 1 else [pair]
+    if all(r == (0, n) for r in every):
+        return True
+    ranges = sorted(every)
+    covered = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    if not (covered and ranges[0][0] == 0 and ranges[-1][1] == n):
+        raise CheckpointError(f"{info.path}: the strategy's {what} ranges {ranges} do not "
+                              f"partition the {n} elements")
+    return False
 
 
 def _settings(info: CheckpointInfo, strategy: Any, world: FlatComm | None) -> None:

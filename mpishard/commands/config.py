@@ -67,13 +67,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("gpu_index", "int", None, "with --device cuda: the GPU of every rank, among "
            "those it sees (CUDA_VISIBLE_DEVICES), instead of local rank %% GPUs", _G_RUN,
            metavar="N"),
-    Option("strategy", "str", "ddp", "ddp, zero2, or hybrid (tensor x pipeline x data "
-           "parallel; give --tp and --pp)", _G_PAR, ("ddp", "zero2", "hybrid")),
+    Option("strategy", "str", "ddp", "ddp, zero2, zero3 (parameters sharded too), or hybrid "
+           "(tensor x pipeline x data parallel; give --tp and --pp)", _G_PAR,
+           ("ddp", "zero2", "zero3", "hybrid")),
     Option("tp", "int", 1, "tensor-parallel size (hybrid)", _G_PAR),
     Option("pp", "int", 1, "pipeline stages (hybrid)", _G_PAR),
     Option("dp", "int", -1, "data-parallel size; -1: the ranks left, world / (tp * pp)", _G_PAR),
     Option("data_parallel", "str", "ddp", "how the hybrid's data-parallel group syncs: "
-           "ddp or zero2", _G_PAR, ("ddp", "zero2")),
+           "ddp, zero2 or zero3", _G_PAR, ("ddp", "zero2", "zero3")),
     Option("micro_batches", "int", 1, "pipeline micro-batches per step (hybrid)", _G_PAR),
     Option("schedule", "str", "1f1b", "pipeline schedule: 1f1b or gpipe (hybrid)", _G_PAR,
            ("1f1b", "gpipe")),
@@ -88,7 +89,7 @@ OPTIONS: tuple[Option, ...] = (
            "gcd(batch, 24): fewer, larger units, faster", _G_PAR),
     Option("fault_tolerance", "str", "auto", "survive a lost rank in place: ulfm (an error "
            "where the job is not under Open MPI 5's mpirun --with-ft ulfm), off, or auto "
-           "(ulfm where available); ddp and zero2 go on over the survivors, hybrid "
+           "(ulfm where available); ddp, zero2 and zero3 go on over the survivors, hybrid "
            "layouts exit 75 for mpishard run to relaunch", _G_PAR, ("auto", "ulfm", "off")),
     Option("d_model", "int", 64, "GPT width", _G_MODEL),
     Option("heads", "int", 4, "GPT attention heads", _G_MODEL),

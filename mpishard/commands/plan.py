@@ -2,7 +2,7 @@
 
     mpishard plan --table                     # 64 .. 4096 ranks of a 7B GPT
     mpishard plan --tp 8 --pp 4 --dp 16       # one layout
-    mpishard plan --validate bench.jsonl      # against benchmarks/bench_nodes.py
+    mpishard plan --validate bench.jsonl      # against benchmarks/bench_nodes.py, bench_zero3.py
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from ..costmodel import GPT7B, Layout, Machine, ModelSpec, predict, table, validate
+from ..costmodel import GPT7B, STRATEGIES, Layout, Machine, ModelSpec, predict, table, validate
 
 __all__ = ["add_plan_parser", "main"]
 
@@ -33,7 +33,7 @@ def add_plan_parser(sub: Any) -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
-    parser.add_argument("--strategy", choices=("ddp", "zero2"), default="zero2")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="zero2")
     parser.add_argument("--reduction", choices=("flat", "hierarchical"), default="hierarchical")
     parser.add_argument("--micro-batches", type=int, default=0)
     parser.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
@@ -47,6 +47,8 @@ def add_plan_parser(sub: Any) -> None:
     parser.add_argument("--memory-gb", type=float, default=m.memory / 1e9, help="per rank")
     parser.add_argument("--reduce-scatter-cost", type=float, default=m.reduce_scatter_cost,
                         help="reduce-scatter time / allreduce time (0.5: bandwidth-optimal)")
+    parser.add_argument("--allgather-cost", type=float, default=m.allgather_cost,
+                        help="allgather time / allreduce time (0.5: bandwidth-optimal)")
     parser.add_argument("--parameters", type=float, default=GPT7B.parameters)
     parser.add_argument("--layers", type=int, default=GPT7B.layers)
     parser.add_argument("--hidden", type=int, default=GPT7B.hidden)
@@ -75,7 +77,8 @@ def _run(args: argparse.Namespace) -> int:
               f"{calib['from'][0]}), {calib['bandwidth_across'] / 1e9:.3g} GB/s across (from "
               f"{calib['from'][1]}); latency {calib['latency_inside'] * 1e6:.0f} us inside, "
               f"{calib['latency_across'] * 1e6:.0f} us across (ping-pong); reduce-scatter "
-              f"{calib['reduce_scatter_cost']:.2f} x allreduce (from the same one-node run)")
+              f"{calib['reduce_scatter_cost']:.2f} x allreduce, allgather "
+              f"{calib['allgather_cost']:.2f} x (from the same one-node run)")
         print(f"{'layout':<7} {'what':<34} {'measured':>10} {'predicted':>10} {'error':>7}")
         for r in rows:
             print(f"{r['layout']:<7} {r['what']:<34} {r['measured_s'] * 1e3:>8.2f}ms "
@@ -88,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
     machine = Machine(args.ranks_per_node, args.latency_inside_us * 1e-6,
                       args.bandwidth_inside_gbs * 1e9, args.latency_across_us * 1e-6,
                       args.bandwidth_across_gbs * 1e9, args.tflops * 1e12, args.memory_gb * 1e9,
-                      args.reduce_scatter_cost)
+                      args.reduce_scatter_cost, args.allgather_cost)
     model = ModelSpec(args.parameters, args.layers, args.hidden, args.heads, args.seq,
                       args.dtype_bytes)
     if args.table:

@@ -57,6 +57,7 @@ _BYTES = "<serialized model>"
 
 def _model_file(model: Any) -> tuple[list, list, dict]:
     """The tensors, pieces and attributes of a model file."""
+    _check_whole(model)
     layout: ParamLayout = model.layout
     dtype = np.dtype(model.params.dtype)
     host = to_numpy(model.params) if is_device_array(model.params) else model.params
@@ -71,6 +72,13 @@ def _model_file(model: Any) -> tuple[list, list, dict]:
     }
     return (declared(layout, place, PARAMS, dtype),
             vector_pieces(layout, place, PARAMS, host, 0, Range(0, layout.size)), attrs)
+
+
+def _check_whole(model: Any) -> None:
+    if getattr(model, "params", 0) is None:
+        raise CheckpointError("the model's parameters are sharded (ZeRO-3): a model file "
+                              "holds the whole vector; use it inside "
+                              "strategy.gathered_parameters()")
 
 
 def serialize(model: Any) -> bytes:
@@ -94,6 +102,7 @@ def save_model(model: Any, path: str | os.PathLike) -> str:
 
 def _load_into(model: Any, info: CheckpointInfo, opener: Callable[[], Any] | None,
                strict_architecture: bool = True) -> Any:
+    _check_whole(model)
     place = Placement.single(model)
     problem = (local_problem(info, model.layout, place, model.params.dtype)
                or global_problem(info, {s.logical_name for s in place.shards.values()})

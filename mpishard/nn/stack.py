@@ -21,7 +21,7 @@ import numpy as np
 
 from ..backend import array_namespace
 from ..flat import ParamLayout, Range
-from ..protocols import BackwardHooks
+from ..protocols import BACKWARD, FORWARD, INFERENCE, BackwardHooks, ParameterHooks
 from .activations import pair_bias_activations
 from .base import BatchContext, Layer
 from .losses import Loss
@@ -70,7 +70,10 @@ class LayerStack:
 
     **Whole model** (``stage_layers`` None or covering every layer): the
     :class:`~mpishard.protocols.BucketedModel` protocol, ``forward(x)`` and
-    ``forward_backward(x, y, accumulate=False, loss_scale=1.0)``.
+    ``forward_backward(x, y, accumulate=False, loss_scale=1.0)``. Whole model or
+    stage: the :class:`~mpishard.protocols.ShardableModel` protocol
+    (``bind_parameters``, ``set_parameter_hooks``), called around every layer's
+    parameter reads in ``forward``, ``forward_stage`` and the backward.
 
     **Stage API**, for pipeline schedules (GPipe, 1F1B). ``micro`` names a
     micro-batch slot: each slot has its own activations, allocated on its first
@@ -153,6 +156,13 @@ class LayerStack:
             self._ranges.append(Range(specs[0].offset, specs[-1].range.stop) if specs else None)
         # act(x @ W + b) in one pass where an activation follows a Linear.
         pair_bias_activations(self.layers)
+        # In a forward, the range whose parameter reads end with each layer: its
+        # own, or, for a Linear whose bias the next activation adds, that
+        # activation's (the parameter hooks' after() comes once both have run).
+        self._reads_end: list[Range | None] = list(self._ranges)
+        for j, layer in enumerate(self.layers[:-1]):
+            if getattr(layer, "defer_bias", False) and self._ranges[j] is not None:
+                self._reads_end[j], self._reads_end[j + 1] = None, self._ranges[j]
         if self.criterion is not None:
             self.criterion.build(self.xp, dt)
         self._grad_views = self._views_of(lambda name: self.layout.view(self.grads, name))
@@ -164,6 +174,7 @@ class LayerStack:
         self._first_param = with_params[0] if with_params else len(self.layers)
 
         self._hooks: BackwardHooks | None = None
+        self._param_hooks: ParameterHooks | None = None
         self._context: BatchContext | None = None
         self._calls = 0
         self._workspaces: dict[tuple[bool, int], _Workspace] = {}
@@ -206,10 +217,7 @@ class LayerStack:
         Returns a new array: the internal buffer is reused by the next call.
         """
         ws = self._workspace(x, train=False, micro=0)
-        h = ws.x
-        for layer, buf in zip(self.layers, ws.layers):
-            h = layer.forward(h, buf, None)
-        return h.copy()
+        return self._forward(ws, None, INFERENCE).copy()
 
     def forward_backward(self, x: Any, y: Any, *, accumulate: bool = False,
                          loss_scale: float = 1.0) -> float:
@@ -245,9 +253,7 @@ class LayerStack:
         """
         ws = self._workspace(x, train=True, micro=micro)
         ctx = self._take_context(ws.shape[0])
-        h = ws.x
-        for layer, buf in zip(self.layers, ws.layers):
-            h = layer.forward(h, buf, ctx)
+        h = self._forward(ws, ctx, FORWARD)
         ws.out, ws.grad_out, ws.state = h, None, _FORWARD
         return h
 
@@ -316,19 +322,31 @@ class LayerStack:
             ValueError: a view has the wrong shape.
             TypeError: a view has the wrong dtype or backend.
         """
-        def checked(name: str) -> Any:
-            v = view(name)
-            shape = self.layout[name].shape
-            if tuple(v.shape) != shape:
-                raise ValueError(f"gradient view of {name!r}: expecting shape {shape}, "
-                                 f"got {tuple(v.shape)}")
-            if v.dtype != self.dtype or array_namespace(v) is not self.xp:
-                raise TypeError(f"gradient view of {name!r}: expecting {self.xp.__name__} "
-                                f"{self.dtype}, got {array_namespace(v).__name__} {v.dtype}")
-            return v
-
-        self._grad_views = self._views_of(checked)
+        self._grad_views = self._views_of(self._checked(view, "gradient"))
         self.grads = None
+
+    # -- the ShardableModel protocol -------------------------------------------------------
+
+    def bind_parameters(self, view: Callable[[str], Any], params: Any = None) -> None:
+        """Read the parameters of tensor ``name`` from ``view(name)`` from now on.
+
+        ``view`` is called once per tensor, here (each layer is built again on
+        the new views; nothing is copied); ``params`` becomes ``params``: the
+        whole vector the views are of, or ``None`` (the storage is a strategy's).
+
+        Raises:
+            ValueError: a view has the wrong shape.
+            TypeError: a view has the wrong dtype or backend.
+        """
+        views = self._views_of(self._checked(view, "parameter"))
+        for j, layer in enumerate(self.layers):
+            layer.build(self.stage_layers[0] + j, self.xp, self.dtype, views[j])
+        self.params = params
+
+    def set_parameter_hooks(self, hooks: ParameterHooks | None) -> None:
+        """Call ``hooks.before(r, phase)`` / ``hooks.after(r, phase)`` around each
+        layer's parameter reads (``r``: the world range of the layer's tensors)."""
+        self._param_hooks = hooks
 
     def set_backward_hooks(self, hooks: BackwardHooks | None) -> None:
         """Call ``hooks.before(r)`` / ``hooks.after(r)`` around each layer's gradient
@@ -351,6 +369,21 @@ class LayerStack:
         self._context = BatchContext(int(step), int(start), int(global_size))
 
     # -- internals ------------------------------------------------------------------------
+
+    def _checked(self, view: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+        """``view``, checking the shape, dtype and backend of what it returns."""
+        def checked(name: str) -> Any:
+            v = view(name)
+            shape = self.layout[name].shape
+            if tuple(v.shape) != shape:
+                raise ValueError(f"{what} view of {name!r}: expecting shape {shape}, "
+                                 f"got {tuple(v.shape)}")
+            if v.dtype != self.dtype or array_namespace(v) is not self.xp:
+                raise TypeError(f"{what} view of {name!r}: expecting {self.xp.__name__} "
+                                f"{self.dtype}, got {array_namespace(v).__name__} {v.dtype}")
+            return v
+
+        return checked
 
     def _views_of(self, view: Callable[[str], Any]) -> list[dict[str, Any]]:
         return [{local: view(name) for local, name in names} for names in self._names]
@@ -437,13 +470,28 @@ class LayerStack:
                 lambda name: flat[:self.layout[name].size].reshape(self.layout[name].shape))
         return self._scratch
 
+    def _forward(self, ws: _Workspace, ctx: BatchContext | None, phase: str) -> Any:
+        """Layers first to last, each layer's parameter reads between the hooks."""
+        hooks = self._param_hooks
+        h = ws.x
+        for layer, buf, r, end in zip(self.layers, ws.layers, self._ranges, self._reads_end):
+            if hooks is not None and r is not None:
+                hooks.before(r, phase)
+            h = layer.forward(h, buf, ctx)
+            if hooks is not None and end is not None:
+                hooks.after(end, phase)
+        return h
+
     def _backward(self, dy: Any, ws: _Workspace, accumulate: bool) -> Any:
-        """Layers last to first: parameter gradients between the hooks, then dx."""
-        hooks = self._hooks
+        """Layers last to first: parameter gradients between the hooks, then dx
+        (the parameter hooks around both: each may read the parameters)."""
+        hooks, reads = self._hooks, self._param_hooks
         scratch = self._accumulation_scratch() if accumulate else None
         stop = self._first_param if self.is_first_stage else 0
         for j in range(len(self.layers) - 1, stop - 1, -1):
             layer, buf, r = self.layers[j], ws.layers[j], self._ranges[j]
+            if reads is not None and r is not None:
+                reads.before(r, BACKWARD)
             if r is not None:
                 if hooks is not None:
                     hooks.before(r)
@@ -453,6 +501,8 @@ class LayerStack:
                     hooks.after(r)
             if self._need_dx(j):
                 dy = layer.backward_input(dy, buf)
+            if reads is not None and r is not None:
+                reads.after(r, BACKWARD)
         return None if self.is_first_stage else dy
 
     def __repr__(self) -> str:

@@ -14,8 +14,16 @@ from . import ddp as _ddp
 from . import zero2 as _zero2
 from .base import DataParallelCore, DataParallelOptions
 from .ddp import DDPCore
-from .hybrid import HYBRID_CORES, HybridCore, HybridDDPCore, HybridShardedModel, HybridZeRO2Core
+from .hybrid import (
+    HYBRID_CORES,
+    HybridCore,
+    HybridDDPCore,
+    HybridShardedModel,
+    HybridZeRO2Core,
+    HybridZeRO3Core,
+)
 from .zero2 import REDUCE_METHODS, ZeRO2Core, ZeRO2Options, choose_reduce_method
+from .zero3 import ZeRO3Core, ZeRO3Options
 
 __all__ = [
     "HYBRID_CORES",
@@ -27,8 +35,11 @@ __all__ = [
     "HybridDDPCore",
     "HybridShardedModel",
     "HybridZeRO2Core",
+    "HybridZeRO3Core",
     "ZeRO2Core",
     "ZeRO2Options",
+    "ZeRO3Core",
+    "ZeRO3Options",
     "choose_reduce_method",
 ]
 

@@ -127,6 +127,9 @@ class DataParallelCore:
     _slots = 0
     #: This rank adds its rows and loss to the step's totals (one rank per model replica).
     _counts_rows = True
+    #: The model's passes communicate over ``groups.dp`` (ZeRO-3's parameter gathers):
+    #: reproducible mode then runs the same passes on every rank (see .repro).
+    _lockstep_passes = False
 
     def __init__(self, optimizer: Optimizer, config: ShardingConfiguration | None = None, *,
                  model: Model | None = None, **options: Any) -> None:
@@ -158,6 +161,8 @@ class DataParallelCore:
                         "optimizer": 0.0, "gather": 0.0}
         self._peak_bytes = 0
         self.model: Model | None = None
+        #: The parameters' dtype (None before attach).
+        self.dtype: Any = None
         self._over(config)
         if model is not None:
             self.attach(model)
@@ -216,6 +221,7 @@ class DataParallelCore:
             raise MpiShardError(f"parameters differ between data-parallel ranks: {detail}")
         self.model = model
         self.xp = array_namespace(model.params)
+        self.dtype = model.params.dtype
         self.layout = model.layout
         self._accumulates = _accepts_keyword(model.forward_backward, "accumulate")
         self._scales_loss = _accepts_keyword(model.forward_backward, "loss_scale")
@@ -570,7 +576,18 @@ class DataParallelCore:
     def _owned_ranges(self) -> list[Range]:
         """World ranges of the model's vector whose squares this rank's replica
         counts in the norm (all of it; a tensor-parallel rank owns less)."""
-        return [Range(0, self.model.params.size)]
+        return [Range(0, self.layout.size)]
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[Any]:
+        """The whole parameter vector, ``model.params``, for the ``with`` block (the
+        model holds it: local; ZeRO-3 gathers it)."""
+        yield self._require_model().params
+
+    def parameter_shard(self) -> tuple[Range, Any]:
+        """The world range of the parameters this rank holds, and them: the whole
+        vector (a ZeRO-3 rank holds its shard). Local."""
+        return Range(0, self.layout.size), self._require_model().params
 
     # --- what subclasses provide -----------------------------------------
     def _setup(self) -> None:
@@ -649,6 +666,9 @@ def _model_problem(model: Any) -> str | None:
         return (f"expecting a model with params, grads, layout, forward() and "
                 f"forward_backward(), got {type(model).__name__}")
     params = model.params
+    if params is None:
+        return ("model.params is None: the parameters are sharded by the ZeRO-3 strategy "
+                "the model is attached to; call its unshard() first")
     if getattr(params, "ndim", None) != 1:
         return f"model.params must be a 1-D array, got shape {getattr(params, 'shape', None)}"
     if params.dtype not in _FLOAT_DTYPES:

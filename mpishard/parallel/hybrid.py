@@ -2,8 +2,8 @@
 
 Data, tensor and pipeline parallelism at once, in the ``tp-dp-pp`` rank order of
 :mod:`mpishard.topology`. Each rank builds only its pipeline stage's layers, and
-of those only its tensor-parallel slice; the data-parallel group then runs DDP
-or ZeRO-2 on that shard exactly as it would on a whole model.
+of those only its tensor-parallel slice; the data-parallel group then runs DDP,
+ZeRO-2 or ZeRO-3 on that shard exactly as it would on a whole model.
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ from ..nn.shards import owned_ranges, tensor_shards
 from ..pipeline.executor import PipelineStage
 from ..pipeline.partition import balance_stages, check_boundaries
 from ..pipeline.schedules import SCHEDULES
+from ..protocols import BACKWARD, FORWARD
 from .ddp import DDPCore
 from .zero2 import ZeRO2Core
+from .zero3 import ZeRO3Core
 
-__all__ = ["HYBRID_CORES", "HybridCore", "HybridDDPCore", "HybridShardedModel", "HybridZeRO2Core"]
+__all__ = ["HYBRID_CORES", "HybridCore", "HybridDDPCore", "HybridShardedModel", "HybridZeRO2Core",
+           "HybridZeRO3Core"]
 
 
 class HybridShardedModel:
@@ -132,11 +135,14 @@ class HybridShardedModel:
                        f"had (tp, pp) = ({before.tp}, {before.pp}), the new layout gives "
                        f"({after.tp}, {after.pp})")
         config.world.agree(problem, TopologyError)
-        params = self.params.copy()
+        # Under ZeRO-3 the stage holds no whole vector (params is None): the caller
+        # puts the parameters into the new stage's (the recovery's whole vector).
+        params = None if self.params is None else self.params.copy()
         # The same stage boundaries (the balance would give them again; this is sure).
         HybridShardedModel.__init__(self, self._factory, config, micro_batches=self.micro_batches,
                                     schedule=self.schedule, stages=list(self.stage_ranges))
-        self.params[...] = params
+        if params is not None:
+            self.params[...] = params
 
     # -- the model protocol, for the data-parallel group ----------------------------
     @property
@@ -175,6 +181,7 @@ class HybridShardedModel:
         self._context = (step, start, global_size)
 
     def forward_backward_units(self, xs: list[Any], ys: list[Any], losses: Any, *,
+                               contexts: list[tuple[int, int, int]] | None = None,
                                loss_scale: float = 1.0,
                                before_backward: Callable[[int], None] | None = None,
                                after_backward: Callable[[int], None] | None = None) -> None:
@@ -182,10 +189,23 @@ class HybridShardedModel:
         schedule (at most ``micro_batches``), each unit's gradient alone between
         ``after_backward(i)`` and the next ``before_backward``; their mean losses
         into ``losses`` on every rank (a :class:`~mpishard.protocols.UnitPassModel`).
+        ``contexts[i]``: unit ``i``'s ``(step, first row, global batch)``.
         Collective over pipeline and tensor groups."""
-        context, self._context = self._context, None
-        self.runner.run_units(xs, ys, losses, context=context, loss_scale=loss_scale,
+        self.runner.run_units(xs, ys, losses, contexts=contexts, loss_scale=loss_scale,
                               before_backward=before_backward, after_backward=after_backward)
+
+    # The ShardableModel protocol, the stage model's: ZeRO-3 over the data group
+    # gathers the stage's parameters a bucket at a time in every pass of the schedule.
+    def bind_parameters(self, view: Callable[[str], Any], params: Any = None) -> None:
+        self.stage_model.bind_parameters(view, params)
+
+    def set_parameter_hooks(self, hooks: Any) -> None:
+        self.stage_model.set_parameter_hooks(hooks)
+
+    def passes(self) -> list[str]:
+        """The phases of the parameter passes one ``forward_backward`` makes on
+        this stage, in order (the schedule's forwards and backwards)."""
+        return [FORWARD if kind == "F" else BACKWARD for kind, _ in self.runner.actions]
 
     def tensor_shards(self):
         return tensor_shards(self.stage_model)
@@ -204,7 +224,7 @@ class HybridShardedModel:
         return {"dp_rank": c.dp, "tp_rank": c.tp, "pp_rank": c.pp,
                 "stage_layers": list(self.stage_model.stage_layers),
                 "stage_ranges": [list(r) for r in self.stage_ranges],
-                "parameters": int(self.params.size), "schedule": self.schedule,
+                "parameters": int(self.layout.size), "schedule": self.schedule,
                 "micro_batches": self.micro_batches}
 
 
@@ -292,5 +312,22 @@ class HybridZeRO2Core(HybridCore, ZeRO2Core):
     strategy = "hybrid-zero2"
 
 
+class HybridZeRO3Core(HybridCore, ZeRO3Core):
+    """ZeRO-3 over the data group of a :class:`HybridShardedModel`.
+
+    Each rank keeps its shard of its stage's (tensor slice of the) parameters;
+    every forward and backward of the schedule's micro-batches gathers the
+    stage's buckets over the data group. The stage gradient exists in full, as
+    with :class:`HybridZeRO2Core` (the pipeline accumulates the micro-batches'
+    gradients in it); the reduced gradient and the optimizer state are sharded.
+    """
+
+    strategy = "hybrid-zero3"
+
+    def _passes(self) -> list[str]:
+        return self.model.passes()
+
+
 #: The hybrid core for each ``data_parallel`` value of ``HybridShardedOptimizer``.
-HYBRID_CORES: dict[str, type[HybridCore]] = {"ddp": HybridDDPCore, "zero2": HybridZeRO2Core}
+HYBRID_CORES: dict[str, type[HybridCore]] = {"ddp": HybridDDPCore, "zero2": HybridZeRO2Core,
+                                             "zero3": HybridZeRO3Core}

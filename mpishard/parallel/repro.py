@@ -178,6 +178,7 @@ class ReproducibleStep:
         # A pipelined model runs passes whose micro-batches are whole units.
         self._passes = model if isinstance(model, UnitPassModel) else None
         self._pass_losses = np.zeros(model.micro_batches if self._passes is not None else 0)
+        self._real = 0          # the units of this pass that are this rank's (_run_passes)
         self._deposit_seconds = 0.0
 
     # --- backward: one forward/backward per unit ----------------------------------
@@ -193,9 +194,7 @@ class ReproducibleStep:
             per_rank = rows * s.accumulation_steps
             batch_start = dp.rank * per_rank + s._pending_micro * rows
             global_rows = per_rank * dp.size
-        r = unit_rows_for(global_rows, s.config.unit_rows, s.config.reproducible_sizes)
-        if _short_last_batch(s, global_rows):
-            r = 1     # split over the ranks as evenly as the rows allow: cut anywhere
+        r = self.unit_rows(global_rows)
         problem = None
         if global_rows % r:
             problem = (f"reproducible mode: the global batch of {global_rows} rows does not "
@@ -212,7 +211,7 @@ class ReproducibleStep:
         t0 = time.perf_counter()
         self._deposit_seconds = 0.0
         total = 0.0
-        if rows and self._passes is not None:
+        if self._passes is not None and (rows or s._lockstep_passes):
             total = self._run_passes(x, y, r, batch_start, global_rows)
         elif rows:
             xb, yb = self._unit_buffers(x, y, r, 0)
@@ -233,30 +232,48 @@ class ReproducibleStep:
         s._rows += rows
         return total / rows if rows else 0.0
 
+    def unit_rows(self, global_rows: int) -> int:
+        """Rows per unit of a global batch of ``global_rows`` (the same on every rank)."""
+        if _short_last_batch(self.strategy, global_rows):
+            return 1    # split over the ranks as evenly as the rows allow: cut anywhere
+        config = self.strategy.config
+        return unit_rows_for(global_rows, config.unit_rows, config.reproducible_sizes)
+
     def _run_passes(self, x: Any, y: Any, r: int, batch_start: int, global_rows: int) -> float:
         """A pipelined model: passes of its schedule whose micro-batches are this
         rank's units, up to ``micro_batches`` a pass; each unit's gradient is taken
         right after its own backward (so neither the micro-batch count, nor the
-        schedule, nor the pipeline size changes a bit). Returns the rows' loss sum."""
+        schedule, nor the pipeline size changes a bit). Where the passes
+        communicate over ``groups.dp`` (``_lockstep_passes``) every rank runs the
+        passes of the most units any holds (one ``Allreduce(MAX)``), its missing
+        units as zeros whose gradients and losses are dropped (ranks hold unequal
+        units only in a short last batch). Returns the rows' loss sum."""
         s, model = self.strategy, self.strategy.model
         per_pass, units = model.micro_batches, len(x) // r
+        most = int(s.dp.allreduce(units, op="max")) if s._lockstep_passes else units
         losses, total = self._pass_losses, 0.0
-        for first in range(0, units, per_pass):
-            count = min(per_pass, units - first)
-            xs, ys = [], []
+        for first in range(0, most, per_pass):
+            count = min(per_pass, most - first)
+            self._real = max(0, min(count, units - first))
+            xs, ys, contexts = [], [], []
             for i in range(count):
                 xb, yb = self._unit_buffers(x, y, r, i)
                 u = first + i
-                xb[...] = x[u * r:(u + 1) * r]
-                yb[...] = y[u * r:(u + 1) * r]
+                if i < self._real:
+                    xb[...] = x[u * r:(u + 1) * r]
+                    yb[...] = y[u * r:(u + 1) * r]
+                    contexts.append((s.step_count, batch_start + u * r, global_rows))
+                else:
+                    xb.fill(0)
+                    yb.fill(0)
+                    contexts.append((s.step_count, 0, global_rows))     # any rows: dropped
                 xs.append(xb)
                 ys.append(yb)
-            if s._batch_context:
-                model.set_batch_context(s.step_count, batch_start + first * r, global_rows)
-            model.forward_backward_units(xs, ys, losses, loss_scale=r,
-                                         before_backward=self._before_unit,
+            model.forward_backward_units(xs, ys, losses,
+                                         contexts=contexts if s._batch_context else None,
+                                         loss_scale=r, before_backward=self._before_unit,
                                          after_backward=self._after_unit)
-            for i in range(count):
+            for i in range(self._real):
                 self._add_loss(float(losses[i]), r)
                 total += r * float(losses[i])
         return total
@@ -265,7 +282,8 @@ class ReproducibleStep:
         self._make_room()
 
     def _after_unit(self, i: int) -> None:
-        self._took_unit()
+        if i < self._real:       # not a stand-in of a rank with fewer units
+            self._took_unit()
 
     def _unit_buffers(self, x: Any, y: Any, r: int, i: int) -> tuple[Any, Any]:
         """Unit ``i`` of a pass is copied here: the same shapes and memory for every

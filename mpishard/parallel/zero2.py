@@ -179,7 +179,7 @@ class ZeRO2Core(DataParallelCore):
     def _scratch_of(self, slot: int) -> Any:
         if self._scratch is None:
             size = max(max(len(m) for m in self._mine), 1)
-            self._scratch = [self.xp.empty(size, dtype=self.model.params.dtype)
+            self._scratch = [self.xp.empty(size, dtype=self.dtype)
                              for _ in range(_SLOTS)]
             self._peak_bytes = max(self._peak_bytes, self._current_bytes())
         return self._scratch[slot]
@@ -274,7 +274,9 @@ class ZeRO2Core(DataParallelCore):
         buffers = _nbytes(self._scratch) if self._scratch is not None else 0
         if self.previous is not None:
             buffers += _nbytes(self.previous.values())
-        return {"parameters": int(model.params.nbytes), "gradients": int(grads),
+        # The whole vector, or (ZeRO-3, the model holding none) the shard.
+        params = model.params if model.params is not None else self._params_shard
+        return {"parameters": int(params.nbytes), "gradients": int(grads),
                 "optimizer_state": _nbytes(self.state.values()), "buffers": int(buffers)}
 
     def optimizer_state_shard(self) -> tuple[Range, dict[str, Any]]:
@@ -287,7 +289,7 @@ class ZeRO2Core(DataParallelCore):
         For a checkpoint or an export; allocates full-size arrays (they count in
         the peak of :meth:`memory_report`). Collective over ``groups.dp``.
         """
-        n = self.model.params.size
+        n = self.layout.size
         full = {}
         for name, shard in self.state.items():
             whole = self.xp.zeros(n, dtype=shard.dtype)

@@ -78,12 +78,16 @@ class PipelineStage:
                              f"per accumulation step) a multiple of {m}, or choose "
                              f"micro_batches dividing {rows}")
         b = rows // m
+        context_of = None
+        if context is not None:
+            step, start, global_size = context
+            context_of = lambda i: (step, start + i * b, global_size)  # noqa: E731
         losses = self._run(lambda i: (x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]), m,
-                           (b,) + tuple(x.shape[1:]), accumulate, context, loss_scale, None)
+                           (b,) + tuple(x.shape[1:]), accumulate, context_of, loss_scale, None)
         return self._share_loss(sum(losses) / m)
 
     def run_units(self, xs: list[Any], ys: list[Any], losses: Any, *,
-                  context: tuple[int, int, int] | None = None, loss_scale: float = 1.0,
+                  contexts: list[tuple[int, int, int]] | None = None, loss_scale: float = 1.0,
                   before_backward: Callable[[int], None] | None = None,
                   after_backward: Callable[[int], None] | None = None) -> None:
         """One pass of the schedule whose micro-batches are units of equal rows:
@@ -92,7 +96,8 @@ class PipelineStage:
         ``before_backward`` the stage's gradient is unit ``i``'s alone
         (``loss_scale`` times the gradient of its mean loss). ``losses[i]``
         receives each unit's mean loss, on every stage (one ``Bcast`` from the
-        last). Collective over ``pp``.
+        last). ``contexts[i] = (step, first row, global batch)`` feeds unit
+        ``i``'s dropout masks. Collective over ``pp``.
 
         Raises:
             ValueError: no units, more than ``micro_batches``, or units of unequal rows.
@@ -103,7 +108,8 @@ class PipelineStage:
             raise ValueError(f"expecting 1 to {self.micro_batches} units of equal rows, got "
                              f"{[len(v) for v in xs]}")
         got = self._run(lambda i: (xs[i], ys[i]), count, (b,) + tuple(xs[0].shape[1:]), False,
-                        context, loss_scale, (before_backward, after_backward))
+                        None if contexts is None else contexts.__getitem__, loss_scale,
+                        (before_backward, after_backward))
         buf = self._losses
         if self.model.is_last_stage:
             buf[:count] = got
@@ -113,16 +119,15 @@ class PipelineStage:
 
     def _run(self, piece: Callable[[int], tuple[Any, Any]], m: int,
              batch_shape: tuple[int, ...], accumulate: bool,
-             context: tuple[int, int, int] | None, loss_scale: float,
+             context_of: Callable[[int], tuple[int, int, int]] | None, loss_scale: float,
              hooks: tuple[Callable[[int], None] | None, Callable[[int], None] | None] | None
              ) -> list[float]:
         """The schedule of ``m`` micro-batches, micro-batch ``i`` being
-        ``piece(i)`` (of ``batch_shape``); each one's mean loss (on the last
-        stage; empty elsewhere)."""
+        ``piece(i)`` (of ``batch_shape``, its batch context ``context_of(i)``);
+        each one's mean loss (on the last stage; empty elsewhere)."""
         t_start = time.perf_counter()
         model = self.model
         actions = self.actions if m == self.micro_batches else self._actions_for(m)
-        b = batch_shape[0]
         first, last = model.is_first_stage, model.is_last_stage
         prev, nxt = self.stage - 1, self.stage + 1
         losses: list[float] = []
@@ -138,9 +143,8 @@ class PipelineStage:
                     self.pp.Recv(inp, source=prev, tag=2 * i, slot=("act", k))
                 self._wait_send("out", k)      # the slot's output buffer is rewritten
                 t0 = time.perf_counter()
-                if context is not None and hasattr(model, "set_batch_context"):
-                    step, start, global_size = context
-                    model.set_batch_context(step, start + i * b, global_size)
+                if context_of is not None and hasattr(model, "set_batch_context"):
+                    model.set_batch_context(*context_of(i))
                 out = model.forward_stage(inp, micro=k)
                 if last:
                     # loss_scale: gradients of loss_scale x the mean (the loss stays the mean).

@@ -10,7 +10,7 @@ from ..checkpoint import CheckpointManager
 from ..comm import FlatComm, ulfm
 from ..errors import HandOver, InexactRecoveryWarning
 from ..exitcodes import EXIT_STOPPED
-from ..parallel import DDPCore, HybridCore, HybridShardedModel, ZeRO2Core
+from ..parallel import DDPCore, HybridCore, HybridShardedModel, ZeRO2Core, ZeRO3Core
 from ..protocols import StrategyCore
 from .common import StepMarks, error_text, put_state, survivors_config
 from .replicas import drop_replicas
@@ -21,10 +21,12 @@ __all__ = ["communicators", "recover_in_place", "recoverable", "shrink_only"]
 
 def communicators(core: StrategyCore) -> list[FlatComm]:
     """Every communicator ``core`` and its model wait on: the world, the data,
-    tensor and pipeline groups, the step's group and a two-level reduction's. For
+    tensor and pipeline groups, the step's group, ZeRO-3's gathers' and a
+    two-level reduction's. For
     :func:`mpishard.comm.ulfm.recover`'s ``also``. Local."""
     groups = core.config.groups
-    found = [groups.world, groups.dp, groups.tp, groups.pp, getattr(core, "_stepper", None)]
+    found = [groups.world, groups.dp, groups.tp, groups.pp, getattr(core, "_stepper", None),
+             getattr(core, "gather_comm", None)]
     reducer = getattr(core, "reducer", None)
     for name in ("node", "cross", "gather"):
         found.append(getattr(reducer, name, None))
@@ -92,13 +94,19 @@ def recover_in_place(core: StrategyCore, exc: BaseException | None = None, *,
         return core, drop_replicas(core, rec, buddy=buddy, marks=marks, exc=exc)
     zero2 = isinstance(core, ZeRO2Core)
     step, model = rec.step, core.model
-    full = None
+    full = params = None
     if zero2:
         found = zero2_candidates(core, buddy, rec.world)
         if found:
             step = max(found)
             params, full = zero2_rebuild(core, buddy, rec.world, step)
-            model.params[...] = params
+            if not isinstance(core, ZeRO3Core):
+                model.params[...] = params
+    if isinstance(core, ZeRO3Core):
+        # The whole vector, for rebuild() to shard again without gathering over the
+        # broken group: the buddies' (a roll-back overwrites it from the checkpoint).
+        core.unshard(params if full is not None else
+                     core.xp.zeros(core.layout.size, dtype=core.dtype))
     if zero2 and full is None and checkpoints is None:
         raise HandOver("cannot recover ZeRO-2 in place: the lost rank's shard of the "
                        "optimizer state is gone (no buddy copy of it) and there is no "

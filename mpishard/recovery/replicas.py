@@ -38,7 +38,7 @@ from typing import Any
 from ..comm import FlatComm, ulfm, world_rank
 from ..errors import HandOver
 from ..exitcodes import EXIT_STOPPED
-from ..parallel import HybridCore, HybridShardedModel, HybridZeRO2Core
+from ..parallel import HybridCore, HybridShardedModel, HybridZeRO2Core, ZeRO2Core
 from ..topology import Topology
 from .common import StepMarks, error_text, put_state, survivors_config
 from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
@@ -99,7 +99,7 @@ def drop_replicas(strategy: HybridCore, rec: ulfm.Recovery, *,
     # at attach over the world (a hybrid strategy's step group), while all were alive.
     to_comm_world = [w for _, w in strategy._who]
     lost_by_replica = {d: [to_comm_world[r] for r in lost] for d, lost in broken.items()}
-    zero2 = isinstance(strategy, HybridZeRO2Core)
+    zero2 = isinstance(strategy, ZeRO2Core)     # ZeRO-3's shards too
 
     def hand_over(why: str) -> HandOver:
         return HandOver(f"cannot recover in place: {why}; restart from a checkpoint",

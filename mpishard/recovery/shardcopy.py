@@ -1,8 +1,10 @@
-"""ZeRO-2's state put back together after a lost rank, exactly, with nothing read from disk.
+"""ZeRO-2's and ZeRO-3's state put back together after a lost rank, exactly, with
+nothing read from disk.
 
 A ZeRO-2 rank is the only holder of its shard of the optimizer state, and, between
-its update and the parameter ``Allgatherv``, of its shard's new parameters. Two
-copies keep the run exact when it dies (ULFM, :mod:`mpishard.recovery`):
+its update and the parameter ``Allgatherv``, of its shard's new parameters; a
+ZeRO-3 rank of its shard of the parameters at all times. Two copies keep the run
+exact when it dies (ULFM, :mod:`mpishard.recovery`):
 
 * :class:`ShardBuddy`: each rank keeps its right neighbour's shard (parameters and
   optimizer state) as of the last two completed steps, refreshed after every step;
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import FlatComm
+from ..flat import Range
 from ..parallel import ZeRO2Core
 
 __all__ = ["ShardBuddy", "zero2_candidates", "zero2_rebuild"]
@@ -49,9 +52,11 @@ class ShardBuddy:
     and of the state, and one copy of its own (Adam, float64: 3 x 3 x ``params / n``
     x 8 bytes; :attr:`nbytes`); time, one exchange of the state shard with each
     neighbour per step and two local copies of a shard (:attr:`seconds`: the total
-    so far). The parameters are not sent: each rank copies its neighbour's shard
-    out of the full vector the ``Allgatherv`` just rebuilt. NumPy state only (a
-    device array: no copy is kept; a lost shard is then rolled back to a checkpoint).
+    so far). Under ZeRO-2 the parameters are not sent: each rank copies its
+    neighbour's shard out of the full vector the ``Allgatherv`` just rebuilt;
+    under ZeRO-3, which holds no full vector, the parameter shard is exchanged
+    with the state. NumPy state only (a device array: no copy is kept; a lost
+    shard is then rolled back to a checkpoint).
     """
 
     def __init__(self, strategy: ZeRO2Core) -> None:
@@ -61,9 +66,9 @@ class ShardBuddy:
         self.rank, self.size = r, n
         self.holds = (r + 1) % n          # whose shard the copies are
         length = len(strategy.shards[self.holds])
-        dtype = strategy.model.params.dtype
+        dtype = strategy.dtype
         self.active = n > 1 and all(isinstance(v, np.ndarray)
-                                    for v in (strategy.model.params, *strategy.state.values()))
+                                    for v in (own_parameters(strategy), *strategy.state.values()))
         self.copies = [{"params": np.zeros(length if self.active else 0, dtype=dtype),
                         **{name: np.zeros(length if self.active else 0, dtype=value.dtype)
                            for name, value in strategy.state.items()}} for _ in range(2)]
@@ -93,8 +98,9 @@ class ShardBuddy:
     def exchange(self) -> None:
         """After a step: send my state shard to the left neighbour, receive the
         right one's into the older copy, and copy the right one's parameters
-        from the full vector. Nothing is sent after a skipped step (the state
-        did not change). Collective over the data-parallel group (neighbours only)."""
+        from the full vector (ZeRO-3: exchange them as the state). Nothing is
+        sent after a skipped step (the state did not change). Collective over the
+        data-parallel group (neighbours only)."""
         step = self.strategy.step_count
         if not self.active or step == self.completed:
             return
@@ -104,15 +110,29 @@ class ShardBuddy:
         copy = self.copies[k]
         left = (self.rank - 1) % self.size
         handles = []
-        for i, (name, value) in enumerate(self.strategy.state.items()):
+        sent = dict(self.strategy.state)
+        held_range, params = self.strategy.parameter_shard()
+        whole = held_range == Range(0, self.strategy.layout.size)
+        if not whole:
+            sent["params"] = params          # ZeRO-3: no full vector to copy it from
+        for i, (name, value) in enumerate(sent.items()):
             handles.append(self.dp.Irecv(copy[name], self.holds, _BUDDY_TAG + i))
             handles.append(self.dp.Isend(value, left, _BUDDY_TAG + i, slot=("buddy", i)))
-        held = self.strategy.shards[self.holds]
-        copy["params"][...] = self.strategy.model.params[held.start:held.stop]
+        if whole:
+            held = self.strategy.shards[self.holds]
+            copy["params"][...] = params[held.start:held.stop]
         for handle in handles:
             handle.wait()
         self.steps[k] = self.completed = step
         self.seconds += time.perf_counter() - t0
+
+
+def own_parameters(strategy: ZeRO2Core) -> Any:
+    """This rank's shard of the parameters (a view): of the whole vector under
+    ZeRO-2, the shard itself under ZeRO-3. Local."""
+    held, params = strategy.parameter_shard()
+    shard = strategy.shard
+    return params[shard.start - held.start:shard.stop - held.start]
 
 
 def _report(strategy: ZeRO2Core, buddy: ShardBuddy | None) -> tuple[int, int, int, int, tuple]:
@@ -161,13 +181,13 @@ def zero2_rebuild(strategy: ZeRO2Core, buddy: ShardBuddy | None, group: FlatComm
     every = group.allgather(_report(strategy, buddy))
     lost = set(range(strategy.dp.size)) - {e[0] for e in every}
     shard = strategy.shard
-    own = {"params": strategy.model.params[shard.start:shard.stop], **strategy.state}
+    own = {"params": own_parameters(strategy), **strategy.state}
     if strategy.step_count != step:
         own = strategy.previous
     copy = None
     if buddy is not None and buddy.holds in lost and buddy.holds != strategy.dp.rank:
         copy = buddy.copy_of(step)
-    xp, size = strategy.xp, strategy.model.params.size
+    xp, size = strategy.xp, strategy.layout.size
     full = {}
     for name, value in own.items():
         whole = xp.zeros(size, dtype=value.dtype)

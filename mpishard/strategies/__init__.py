@@ -1,4 +1,4 @@
-"""The public strategies, one class per name: DDP, ZeRO-2, 3D hybrid and elastic.
+"""The public strategies, one class per name: DDP, ZeRO-2, ZeRO-3, 3D hybrid and elastic.
 
 Each is a :class:`Strategy`: a parallel core (:mod:`mpishard.parallel`: attach,
 backward, step, state) and the one training loop as ``optimize()``:
@@ -12,6 +12,7 @@ from .ddp import DDPOptimizer
 from .elastic import BATCH_POLICIES, ElasticOptimizer
 from .hybrid import HybridShardedOptimizer
 from .zero2 import ZeRO2Optimizer
+from .zero3 import ZeRO3Optimizer
 
 __all__ = [
     "BATCH_POLICIES",
@@ -22,5 +23,6 @@ __all__ = [
     "Strategy",
     "TrainResult",
     "ZeRO2Optimizer",
+    "ZeRO3Optimizer",
     "choose_reduce_method",
 ]

@@ -103,6 +103,15 @@ class Strategy:
         """The world range of the optimizer state this rank holds, and the state. Local."""
         return self.core.optimizer_state_shard()
 
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[Any]:
+        """The whole parameter vector for the ``with`` block (``model.params``; its
+        ``forward`` on one rank alone). Under ZeRO-3 gathered on entry (collective
+        over ``groups.dp``), each rank keeping its shard of it on exit; otherwise
+        the model's own vector (local)."""
+        with self.core.gathered_parameters() as params:
+            yield params
+
     def synchronize_optimizer_state(self) -> dict[str, Any]:
         """The whole optimizer state on every rank. Collective over ``groups.dp``."""
         return self.core.synchronize_optimizer_state()

@@ -1,6 +1,6 @@
 """``ElasticOptimizer``: the worker side of elastic training.
 
-A :class:`~mpishard.strategies.Strategy` over a DDP or ZeRO-2 core, running the
+A :class:`~mpishard.strategies.Strategy` over a DDP, ZeRO-2 or ZeRO-3 core, running the
 one training loop (:func:`~mpishard.train.run_training`).
 On start it resumes from the newest complete checkpoint in its folder, resharded
 to the current world size (the agent behind ``mpishard run`` relaunches the
@@ -33,7 +33,7 @@ from ..checkpoint import CheckpointManager
 from ..config import ShardingConfiguration
 from ..errors import MpiShardError
 from ..exitcodes import EXIT_STOPPED
-from ..parallel import DDPCore, ZeRO2Core
+from ..parallel import DDPCore, ZeRO2Core, ZeRO3Core
 from ..train import Checkpointing, Sampling, StopRequest, TrainResult, run_training
 from .base import Strategy
 
@@ -43,7 +43,7 @@ __all__ = ["BATCH_POLICIES", "ElasticOptimizer"]
 #: share adapts). ``scale-lr``: each worker keeps its batch, the global batch
 #: grows with the workers and the learning rate is scaled linearly with it.
 BATCH_POLICIES = ("fixed-global", "scale-lr")
-_STRATEGIES = {"ddp": DDPCore, "zero2": ZeRO2Core}
+_STRATEGIES = {"ddp": DDPCore, "zero2": ZeRO2Core, "zero3": ZeRO3Core}
 #: Why the loop stopped -> :attr:`ElasticOptimizer.stop_reason`.
 _REASONS = {"SIGUSR1": "resize", "SIGTERM": "preempt"}
 
@@ -58,7 +58,7 @@ class ElasticOptimizer(Strategy):
             error on every rank. Not given: the ``mpishard run`` agent's
             ``--min-workers``/``--max-workers`` (``MPISHARD_ELASTIC_MIN_WORKERS``
             and ``_MAX_WORKERS``), else 1 and 1024.
-        strategy: ``"ddp"`` or ``"zero2"`` inside.
+        strategy: ``"ddp"``, ``"zero2"`` or ``"zero3"`` inside.
         checkpoint_dir: where to checkpoint and resume from (needed to resume).
         checkpoint_every: steps between periodic checkpoints (None: only on a
             signal and at the end).
@@ -70,7 +70,7 @@ class ElasticOptimizer(Strategy):
             process with ``EXIT_STOPPED`` (75, what the agent expects). False
             (the default): return; the script exits with :attr:`exit_code`.
         **options: passed to the inner strategy (bucket_mb, max_grad_norm, ...).
-            For runs that must agree bit for bit across restarts with ZeRO-2, pin
+            For runs that must agree bit for bit across restarts with ZeRO-2 or -3, pin
             ``reduce_method`` ("reduce_scatter" or "allreduce"): "auto" chooses by
             timing, and the two may sum in a different order on 3 or more ranks.
 
@@ -141,7 +141,7 @@ class ElasticOptimizer(Strategy):
 
     @property
     def inner(self) -> Any:
-        """The DDP or ZeRO-2 core (:attr:`core`; the name of 0.4)."""
+        """The DDP, ZeRO-2 or ZeRO-3 core (:attr:`core`; the name of 0.4)."""
         return self.core
 
     @property

@@ -73,7 +73,7 @@ class Feeder:
                 core, self.data, self.epochs, self.batch_size, self.sampling, may_change,
                 self.parts)
             self.local = split.local_size
-            self.x, self.y = self.dataset.buffers(self.local, core.xp, self.model.params.dtype)
+            self.x, self.y = self.dataset.buffers(self.local, core.xp, core.dtype)
             self.state = self.sampler.state
             self.position = self.sampler.position()
         core.data_position = self.position
@@ -99,7 +99,7 @@ class Feeder:
         core = self.core
         if self.stream is not None:
             got = self.stream.read(core.config.world, core.dp, core.xp,
-                                   self.model.params.dtype, batch_size=self.batch_size,
+                                   core.dtype, batch_size=self.batch_size,
                                    equal_parts=self.parts if self.pipeline > 1 else 1)
             return None if got is None else Batch(*got)
         rows = self.sampler.current_batch_size()

@@ -1,0 +1,49 @@
+"""``ZeRO3Optimizer``: parameters, gradients and optimizer state sharded over the data group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import ShardingConfiguration
+from ..parallel import ZeRO3Core
+from ..protocols import Model, Optimizer
+from .base import Strategy
+
+__all__ = ["ZeRO3Optimizer"]
+
+
+class ZeRO3Optimizer(Strategy):
+    """ZeRO stage 3: each data-parallel rank keeps ``1/N`` of the parameters, of
+    the reduced gradient and of the optimizer state; a layer's parameters are
+    gathered (``Iallgatherv``, a bucket at a time, the next one prefetched) just
+    before it runs in the forward and again in the backward, and the update
+    leaves them sharded (:class:`~mpishard.parallel.ZeRO3Core`).
+
+    The library's models (:mod:`mpishard.nn`, and
+    :class:`~mpishard.parallel.HybridShardedModel` through
+    ``HybridShardedOptimizer(data_parallel="zero3")``) read their parameters
+    through hooks the strategy sets; a model without them (a
+    :class:`~mpishard.nn.FunctionModel`, your own) keeps its whole vector and is
+    trained as ZeRO-2 trains it. While attached, a library model's ``params`` is
+    None and its ``forward`` is collective over ``groups.dp``: use
+    :meth:`gathered_parameters` or :meth:`unshard` to read it on one rank.
+
+    Args:
+        optimizer: the update rule (:mod:`mpishard.optim`).
+        config: the layout (``ShardingConfiguration()`` when None); data parallel
+            over ``config.groups.dp``.
+        model: attach at once (otherwise :meth:`attach` or :meth:`optimize` does).
+        **options: :class:`~mpishard.parallel.ZeRO3Options` (those of ZeRO-2, and
+            ``prefetch``, ``keep_gathered``, ``gather_mb``).
+
+    Building it is collective over ``config.world``.
+    """
+
+    def __init__(self, optimizer: Optimizer, config: ShardingConfiguration | None = None, *,
+                 model: Model | None = None, **options: Any) -> None:
+        super().__init__(ZeRO3Core(optimizer, config, model=model, **options))
+
+    def unshard(self, params: Any = None) -> None:
+        """Give the model its whole parameter vector back for good (``params``, or
+        gathered: collective over ``groups.dp``); training goes on as ZeRO-2."""
+        self.core.unshard(params)
