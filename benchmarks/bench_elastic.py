@@ -2,7 +2,7 @@
 
     python benchmarks/bench_elastic.py --workers 4 --repeats 3
 
-Runs ``mpishard run`` over ``tests/elastic_worker.py`` (a small MLP with
+Runs ``mpishard run`` over ``tests/support/elastic_worker.py`` (a small MLP with
 ElasticOptimizer, checkpoints every 4 steps); one worker SIGKILLs itself at step
 9 after writing the time. The relaunched job (one worker fewer) records the time
 of its first step. Prints one JSON line per run: the recovery time split into
@@ -40,7 +40,7 @@ def main() -> int:
             cmd = [sys.executable, "-m", "mpishard", "run", "--min-workers=1",
                    f"--max-workers={args.workers}", f"--workers={args.workers}",
                    "--launcher=mpirun", "--launcher-args=--oversubscribe", f"--log={log}", "--",
-                   sys.executable, str(REPO / "tests" / "elastic_worker.py"),
+                   sys.executable, str(REPO / "tests" / "support" / "elastic_worker.py"),
                    "--ckpt", str(tmp / "ckpt"), "--events", str(tmp / "events"),
                    "--strategy", args.strategy, "--kill-at", "9", "--kill-rank", "1"]
             proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -15,7 +15,7 @@ relaunched workers under the agent), and the steps lost (steps done again).
   (:class:`mpishard.recovery.ShardBuddy`), the phase drawn from between
   steps, inside the backward, and inside the parameter ``Allgatherv`` (after the
   other ranks updated their shards: they take them back and train the step again).
-* ``agent``: ``mpishard run`` over Debian's Open MPI 4.1 with ``tests/elastic_worker.py``
+* ``agent``: ``mpishard run`` over Debian's Open MPI 4.1 with ``tests/support/elastic_worker.py``
   (checkpoint every 4 steps); it relaunches at one worker fewer, which resume from
   the newest checkpoint.
 
@@ -150,7 +150,7 @@ def _agent_trial(n: int, kill_at: int) -> dict:
         t = Path(tmp)
         cmd = [sys.executable, "-m", "mpishard", "run", "--min-workers=1", f"--workers={n}",
                f"--max-workers={n}", "--launcher=mpirun", "--launcher-args=--oversubscribe",
-               "--", sys.executable, str(REPO / "tests" / "elastic_worker.py"),
+               "--", sys.executable, str(REPO / "tests" / "support" / "elastic_worker.py"),
                "--ckpt", str(t / "ckpt"), "--events", str(t / "events"), "--every", "4",
                "--batch", str(batch), "--epochs", str(epochs), "--kill-at", str(kill_at),
                "--kill-rank", str(n - 1)]

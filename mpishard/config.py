@@ -6,7 +6,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-from .comm import FlatComm, ProcessGroups, from_comm, ulfm
+from .comm import Deadlines, FlatComm, ProcessGroups, from_comm, ulfm
 from .comm.abort import install_abort_hook
 from .comm.stuck import register as register_ranks
 from .errors import TopologyError
@@ -21,9 +21,23 @@ class ShardingConfiguration:
 
     ``comm`` may be any intra-communicator: a simulation that owns
     ``MPI.COMM_WORLD`` can give the library a sub-communicator of it. The groups
-    are built by the constructor, collectively over ``comm``: the library first
-    duplicates ``comm`` (under the timeout), so its messages never mix with the
-    caller's, and every later call goes through the groups' communicators.
+    are built by the constructor, collectively over ``comm``. Its calls on
+    ``comm`` are two, both under the timeout: an ``MPI_Iallreduce`` of the
+    ranks' arrival times, then ``MPI_Comm_idup``; every later call goes through
+    the groups' communicators, so the library's messages never mix with the
+    caller's. After a timeout in the first (``abort_on_exception=False``) its
+    request stays pending on ``comm`` until the late ranks call the constructor
+    too: their call completes it, reads from the arrival times that the others
+    gave up, and raises as well, so the caller's next collective on ``comm``
+    pairs up on every rank. (MPI cannot withdraw a collective: a rank of
+    ``comm`` that never calls the constructor leaves ``comm`` unusable for
+    collectives.)
+
+    Messages name a process by its rank in ``MPI.COMM_WORLD`` ("world rank 3"),
+    with its rank in a group of the library beside it; the library's top group
+    (the ranks of ``comm``, :attr:`world`) is the ``training`` group, ``comm``
+    itself before it is duplicated the ``MPI.COMM_WORLD`` group or the
+    ``caller's`` group.
 
     Args:
         comm: parent communicator; ``MPI.COMM_WORLD`` by default.
@@ -37,12 +51,21 @@ class ShardingConfiguration:
             the library never aborts: an exception is the caller's, and a call
             past ``timeout`` raises :class:`~mpishard.errors.CommunicationError`
             on the ranks that waited (the groups are unusable after it).
-        timeout: seconds any MPI call of the library may take before the job is
-            aborted (or, with ``abort_on_exception=False``, a
-            ``CommunicationError`` is raised) with a message naming the call,
-            the group and the rank (world rank, host, rank in the group); the
-            constructor's own collectives included
-            (``None``: wait forever).
+        timeout: seconds a call of the library may wait for the other ranks of
+            a group before the job is aborted (or, with
+            ``abort_on_exception=False``, a ``CommunicationError`` is raised) with
+            a message naming the call, the group, the rank (world rank, host,
+            rank in the group) and the deadline; the constructor's own
+            collectives included (``None``: wait forever). Also the deadline of
+            the other kinds of wait, unless they are given.
+        data_timeout: seconds a :class:`~mpishard.data.BatchStream` step may wait
+            for the slowest rank's next batch (its simulation); ``None``: forever;
+            default: ``timeout``. See :mod:`mpishard.comm.deadlines`.
+        io_timeout: seconds a wait for file I/O may last: the calls of a
+            checkpoint save or load (the other ranks waiting while rank 0
+            ``fsync``-s), HDF5's collective open and close (checkpoints,
+            :class:`~mpishard.data.HDF5Dataset`); ``None``: forever; default:
+            ``timeout``.
         allow_tensor_across_nodes: accept, with a warning, a layout whose
             tensor-parallel groups cannot all stay inside one node (refused by
             default; see :class:`~mpishard.comm.ProcessGroups`).
@@ -78,8 +101,9 @@ class ShardingConfiguration:
     Raises:
         TopologyError: sizes that do not divide the communicator's size, or a
             tensor group that would cross nodes; on every rank.
-        ValueError: ``unit_rows`` not a positive integer or None,
-            ``reproducible_sizes`` not positive integers or given with ``unit_rows``.
+        ValueError: ``unit_rows`` not a positive integer or None;
+            ``reproducible_sizes`` not positive integers or given with ``unit_rows``;
+            a timeout that is not positive seconds or None.
     """
 
     comm: Any = None
@@ -94,28 +118,51 @@ class ShardingConfiguration:
     reproducible_sizes: tuple[int, ...] | None = None
     fault_tolerance: str = "auto"
     evict_stuck: bool = False
+    data_timeout: float | str | None = "timeout"
+    io_timeout: float | str | None = "timeout"
     topology: Topology = field(init=False)
+    deadlines: Deadlines = field(init=False)
     _groups: ProcessGroups | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.unit_rows is not None and (not isinstance(self.unit_rows, int)
-                                           or isinstance(self.unit_rows, bool)
-                                           or self.unit_rows < 1):
-            raise ValueError(f"unit_rows must be a positive integer or None, "
-                             f"got {self.unit_rows!r}")
+        if self.unit_rows is not None:
+            if (not isinstance(self.unit_rows, numbers.Integral)
+                    or isinstance(self.unit_rows, bool) or self.unit_rows < 1):
+                raise ValueError(f"unit_rows must be a positive integer or None, "
+                                 f"got {self.unit_rows!r}")
+            self.unit_rows = int(self.unit_rows)   # np.int64(48) -> 48
         if self.reproducible_sizes is not None:
             self.reproducible_sizes = _sizes(self.reproducible_sizes, self.unit_rows)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                setattr(self, name, int(value))
+        self.deadlines = Deadlines.build(self.timeout, self.data_timeout, self.io_timeout)
         given = self.comm is not None
-        parent = from_comm(self.comm, "parent", self.timeout)
+        parent = from_comm(self.comm, "caller's", self.deadlines)
+        if parent.is_world():
+            parent.name = "MPI.COMM_WORLD"
         parent.abort_job = self.abort_on_exception
         # The first collective, under the timeout: a rank of ``comm`` that never
         # calls the constructor (busy elsewhere in a simulation) is named here, and
-        # the message says what was waited for. A barrier on the temporary parent
-        # object, so that no group made below keeps this activity in its messages.
+        # the message says what was waited for. After a timeout our request stays
+        # pending on ``comm`` (MPI cannot withdraw a collective): a late rank's
+        # call completes it, sees from the arrival times that the others gave up,
+        # and fails too, without a second call on ``comm``, so that the caller's
+        # next collective on ``comm`` pairs with theirs on every rank. Only once
+        # every rank is known to be here is ``comm`` duplicated.
         with parent.during(_construction(given, parent.size)):
-            parent.barrier()
+            peer = self.deadlines.peer
+            parent.grace = 0.0 if peer is None else _ARRIVAL_GRACE
+            spread = parent.arrival_spread()
+            if peer is not None and spread > peer:
+                parent.abort(f"the last rank of the {parent.name} group called "
+                             f"ShardingConfiguration() {spread:.1f} s after the first, past "
+                             f"timeout={peer:g}: the first ranks gave up waiting ("
+                             f"{parent.deadlines.explain('peer')})")
+            # Without this activity: no group made below keeps it in its messages.
+            world = parent.dup("training", context=False)
         self.comm = parent.comm
-        world = parent.dup("world")
         # Every rank computes the same thing from the same arguments; should the
         # arguments differ between ranks, the agreement below still lets no rank hang.
         error = None
@@ -159,6 +206,12 @@ class ShardingConfiguration:
         if self._groups is not None:
             self._groups.free()
             self._groups = None
+
+
+#: Seconds past the timeout that the constructor's first wait goes on before it
+#: gives up: more than the clocks of two nodes may differ, so that a late rank
+#: reads the others' giving up from the arrival times (``FlatComm.arrival_spread``).
+_ARRIVAL_GRACE = 0.5
 
 
 def _construction(given: bool, size: int) -> str:

@@ -21,6 +21,7 @@ Stage 0 holds ranks 0-3 and stage 1 ranks 4-7.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from .errors import TopologyError
@@ -56,11 +57,14 @@ class Topology:
         """
         for name, value in (("world size", world), ("tensor_parallel_size", tp),
                             ("pipeline_parallel_size", pp)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if (not isinstance(value, numbers.Integral) or isinstance(value, bool)
+                    or value < 1):
                 raise TopologyError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(dp, int) or isinstance(dp, bool) or (dp < 1 and dp != -1):
+        if (not isinstance(dp, numbers.Integral) or isinstance(dp, bool)
+                or (dp < 1 and dp != -1)):
             raise TopologyError(
                 f"data_parallel_size must be a positive integer or -1, got {dp!r}")
+        world, tp, pp, dp = int(world), int(tp), int(pp), int(dp)   # NumPy integers too
         if dp == -1:
             if world % (tp * pp):
                 raise TopologyError(

@@ -4,13 +4,16 @@
 #   0. lint-imports (the layer contracts of pyproject.toml: no upward import, no cycle,
 #      only mpishard.comm imports mpi4py), ruff, and `mkdocs build --strict` (the
 #      documentation site of docs/: a broken link, a missing page or an API page
-#      that does not render fails the run);
-#   1. the tests that need no MPI world (pure arithmetic, layers, optimizers, and
-#      the tests that start their own mpirun), with plain pytest;
-#   2. the MPI tests under `mpirun -n N python -m pytest --with-mpi` for N = 1, 2, 4,
-#      and the model-parallel ones at N = 8 (the tp2-pp2-dp2 layout);
-#   3. tests/test_ulfm*.py (hybrid layouts, the namespace cluster) in the fault-tolerant runtime
-#      (.venv-ft, Open MPI 5 + ULFM).
+#      that does not render fails the run); a violation fails the run;
+#   1. tests/unit (no MPI world: pure arithmetic, layers, optimizers), plain pytest;
+#   2. tests/jobs (each test starts its own mpirun or a whole program: launch, CLI,
+#      Slurm, stalls, aborts, the elastic agent), plain pytest, 3 tests at a time
+#      (they mostly wait on their jobs);
+#   3. tests/cluster (jobs over the namespace cluster of scripts/cluster-local.sh);
+#   4. tests/mpi under `mpirun -n N python -m pytest --with-mpi` for N = 1, 2, 4, and
+#      the tests marked layout3d at N = 8 (the tp2-pp2-dp2 layout);
+#   5. tests/faults (ULFM: hybrid layouts, the namespace cluster) in the fault-tolerant
+#      runtime (.venv-ft, Open MPI 5 + ULFM).
 # Extra arguments go to every pytest call (for example -x or -k ddp).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -32,39 +35,47 @@ NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --site-dir "$site" \
   || { rm -rf "$site"; exit 1; }
 rm -rf "$site"
 
-# The Slurm tests (tests/test_slurm.py) submit the batch scripts of slurm/ to a
+# The Slurm tests (tests/jobs/test_slurm.py) submit the batch scripts of slurm/ to a
 # real single-node Slurm: start one here if none answers (the first time this
 # installs Debian's slurm-wlm and munge). Where that fails they are skipped,
 # with the reason.
 if ! sinfo -h >/dev/null 2>&1; then
   echo "== starting a single-node Slurm for the Slurm tests"
   { MPISHARD_SLURM=1 bash scripts/setup.sh && bash scripts/slurm-local.sh start; } \
-    || echo "== Slurm could not be started: tests/test_slurm.py will say why it skips"
+    || echo "== Slurm could not be started: tests/jobs/test_slurm.py will say why it skips"
 fi
 
-echo "== tests without an MPI world"
-"$py" -m pytest -q -p no:cacheprovider --color=no -m "not mpi" "$@" tests
+echo "== tests without an MPI world (tests/unit)"
+"$py" -m pytest -q -p no:cacheprovider --color=no "$@" tests/unit
+# pytest-xdist: 3 workers, each test's jobs on its own; the tests mostly wait on them.
+# loadfile: a file's tests share a worker, so a module fixture (test_slurm's DDP job)
+# runs once. The tests marked timing (timeouts of 2 s that every healthy rank must
+# meet) run alone after.
+echo "== whole jobs, each test its own mpirun (tests/jobs: 3 at a time, then the timing ones)"
+"$py" -m pytest -q -p no:cacheprovider --color=no -n 3 --dist loadfile -m "not timing" "$@" \
+  tests/jobs
+"$py" -m pytest -q -p no:cacheprovider --color=no -m timing "$@" tests/jobs
+echo "== jobs over the nodes of the namespace cluster (tests/cluster)"
+"$py" -m pytest -q -p no:cacheprovider --color=no -rs "$@" tests/cluster
 
 for n in 1 2 4; do
-  echo "== mpirun -n $n python -m pytest --with-mpi"
+  echo "== mpirun -n $n python -m pytest --with-mpi (tests/mpi)"
   # timeout: a deadlocked collective must fail the run, not eat CI's 90 minutes.
   timeout --kill-after=30 1500 mpirun $MPISHARD_MPIRUN_FLAGS -n "$n" \
-    "$py" -m pytest -q -p no:cacheprovider --color=no --with-mpi -m mpi "$@" tests
+    "$py" -m pytest -q -p no:cacheprovider --color=no --with-mpi -m mpi "$@" tests/mpi
 done
-# The 3D layout tp2-pp2-dp2 needs 8 ranks: the model-parallel tests run there too.
-echo "== mpirun -n 8 python -m pytest --with-mpi (3D layouts)"
+# The 3D layout tp2-pp2-dp2 needs 8 ranks: the tests marked layout3d run there too.
+echo "== mpirun -n 8 python -m pytest --with-mpi (tests/mpi, 3D layouts)"
 timeout --kill-after=30 1500 mpirun $MPISHARD_MPIRUN_FLAGS -n 8 \
-  "$py" -m pytest -q -p no:cacheprovider --color=no --with-mpi -m mpi "$@" tests/test_hybrid.py \
-  tests/test_tensor_parallel.py
+  "$py" -m pytest -q -p no:cacheprovider --color=no --with-mpi -m "mpi and layout3d" "$@" tests/mpi
 # The fault-tolerant runtime (Open MPI 5 with ULFM, in .venv-ft; scripts/setup.sh --ft):
-# tests/test_ulfm*.py start their own `mpirun --with-ft ulfm` jobs there. Where that
+# tests/faults start their own `mpirun --with-ft ulfm` jobs there. Where that
 # environment cannot be made, the tests run in the main one and skip, saying why.
-echo "== fault-tolerant runtime: tests/test_ulfm*.py under .venv-ft (mpirun --with-ft ulfm)"
+echo "== fault-tolerant runtime: tests/faults under .venv-ft (mpirun --with-ft ulfm)"
 ftpy=${MPISHARD_FT_VENV:-$repo/.venv-ft}/bin/python
 if ! bash scripts/setup.sh --ft; then
-  echo "== the fault-tolerant runtime could not be made: tests/test_ulfm*.py skip"
+  echo "== the fault-tolerant runtime could not be made: tests/faults skip"
   ftpy=$py
 fi
-timeout --kill-after=30 900 "$ftpy" -m pytest -q -p no:cacheprovider --color=no -rs "$@" \
-  tests/test_ulfm.py tests/test_ulfm_train.py tests/test_ulfm_hybrid.py tests/test_ulfm_cluster.py
+timeout --kill-after=30 900 "$ftpy" -m pytest -q -p no:cacheprovider --color=no -rs "$@" tests/faults
 echo "== all test runs passed"

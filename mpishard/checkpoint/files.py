@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 from typing import Any
@@ -79,12 +80,13 @@ class CheckpointManager:
 
     def __init__(self, folder: str | os.PathLike, keep: int | None = 3, prefix: str = "ckpt",
                  *, driver: str = "auto", durable: bool = True) -> None:
-        if keep is not None and (not isinstance(keep, int) or keep < 1):
+        if keep is not None and (not isinstance(keep, numbers.Integral)
+                                 or isinstance(keep, bool) or keep < 1):
             raise ValueError(f"keep must be a positive integer or None, got {keep!r}")
         if not prefix or "/" in prefix or os.sep in prefix:
             raise ValueError(f"prefix must be a plain file name part, got {prefix!r}")
         self.folder = os.path.abspath(os.fspath(folder))
-        self.keep = keep
+        self.keep = None if keep is None else int(keep)
         self.prefix = prefix
         self.driver = driver
         self.durable = durable
@@ -108,7 +110,7 @@ class CheckpointManager:
         comm = Placement.of(model, as_strategy(optimizer), comm).world
         if step is None:
             step = optimizer.step_count if optimizer is not None else 0
-        with comm.during(f"CheckpointManager.save of {self.path(step)}"):
+        with comm.during(f"CheckpointManager.save of {self.path(step)}"), comm.deadline("io"):
             error = None
             if comm.rank == 0:
                 try:
@@ -130,7 +132,8 @@ class CheckpointManager:
         as :func:`~mpishard.checkpoint.load_checkpoint` does. Returns its info, or
         None when the folder holds none."""
         comm = Placement.of(model, as_strategy(optimizer), comm).world
-        with comm.during(f"CheckpointManager.load_latest from {self.folder}"):
+        with comm.during(f"CheckpointManager.load_latest from {self.folder}"), \
+                comm.deadline("io"):
             path = comm.bcast(self.latest() if comm.rank == 0 else None, root=0)
             if path is None:
                 return None

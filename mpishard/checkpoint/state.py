@@ -36,6 +36,8 @@ import datetime
 import json
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +112,16 @@ class Placement:
     def single(cls, model: Any) -> Placement:
         """One process holding the whole model (no MPI)."""
         return cls(None, None, 0, 0, tensor_shards(model))
+
+    @contextmanager
+    def file_io(self) -> Iterator[None]:
+        """The calls inside wait under the file-I/O deadline (``io_timeout=``) on
+        ``world`` and ``dp``: every wait of a save or load is one for some rank's
+        reads or writes (rank 0's ``fsync`` included). Local."""
+        with ExitStack() as stack:
+            for group in {id(g): g for g in (self.world, self.dp) if g is not None}.values():
+                stack.enter_context(group.deadline("io"))
+            yield
 
     @property
     def dp_rank(self) -> int:
@@ -297,7 +309,7 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     """
     strategy = as_strategy(optimizer)
     place = Placement.of(model, strategy, comm)
-    with place.world.during(f"save_checkpoint({os.fspath(path)})"):
+    with place.world.during(f"save_checkpoint({os.fspath(path)})"), place.file_io():
         return _save(path, model, strategy, place, driver, durable)
 
 
@@ -473,7 +485,7 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     """
     strategy = as_strategy(optimizer)
     place = Placement.of(model, strategy, comm)
-    with place.world.during(f"load_checkpoint({os.fspath(path)})"):
+    with place.world.during(f"load_checkpoint({os.fspath(path)})"), place.file_io():
         if strategy is not None and strategy.model is not model:
             strategy.attach(model)
         return _load(path, model, strategy, place, strict_architecture)

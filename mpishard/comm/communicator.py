@@ -33,6 +33,7 @@ from ..backend import array_namespace, synchronize
 from ..errors import CommunicationError, MpiShardError
 from . import stuck
 from .cuda import cuda_aware
+from .deadlines import Deadlines
 
 __all__ = ["OPS", "FlatComm", "Handle", "from_comm", "world_rank_and_host"]
 
@@ -48,6 +49,12 @@ def _op(op: str | MPI.Op) -> MPI.Op:
         return OPS[op]
     except KeyError:
         raise ValueError(f"expecting a reduction among {sorted(OPS)}, got {op!r}") from None
+
+
+#: Requests given up at a timeout (``abort_job`` False). Kept, never freed: MPI
+#: forbids freeing an active collective's request, and a late rank may still
+#: complete it.
+_ABANDONED: list[MPI.Request] = []
 
 
 def world_rank_and_host() -> str:
@@ -116,7 +123,10 @@ class FlatComm:
         comm: the MPI communicator of the group.
         name: the group's name in error messages ("data-parallel", ...).
         timeout: seconds a collective may take before the job is aborted
-            (``None``: wait forever, using MPI's own blocking wait).
+            (``None``: wait forever, using MPI's own blocking wait), or the
+            :class:`~mpishard.comm.deadlines.Deadlines` of each kind of wait;
+            a call waits under the ``peer`` deadline unless it is made inside
+            :meth:`deadline` (``"data"``, ``"io"``).
         cuda_aware: hand device buffers to MPI directly; ``None`` detects.
     """
 
@@ -127,13 +137,12 @@ class FlatComm:
     #: from this one (dup, split) inherit it.
     abort_job = True
 
-    def __init__(self, comm: MPI.Comm, name: str, timeout: float | None = None,
+    def __init__(self, comm: MPI.Comm, name: str, timeout: float | Deadlines | None = None,
                  cuda_aware_mpi: bool | None = None) -> None:
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+        self.deadlines = Deadlines.build(timeout)
+        self._kinds: list[str] = []                      # the kind of wait, innermost last
         self.comm = comm
         self.name = name
-        self.timeout = timeout
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self._cuda_aware = cuda_aware_mpi
@@ -149,8 +158,34 @@ class FlatComm:
         #: At the timeout, SIGKILL the ranks that did not arrive instead of aborting
         #: (ULFM only: :func:`mpishard.comm.ulfm.enable` sets it).
         self.evict_stuck = False
+        #: Seconds a wait goes on past the deadline before it gives up (the
+        #: messages still name the deadline): see :meth:`arrival_spread`.
+        self.grace = 0.0
 
     # --- waiting ---------------------------------------------------------
+    @property
+    def timeout(self) -> float | None:
+        """Seconds the calls made now may wait: the deadline of the current kind
+        (``peer`` outside :meth:`deadline`)."""
+        return self.deadlines.of(self._kinds[-1] if self._kinds else "peer")
+
+    @property
+    def kind(self) -> str:
+        """The kind of wait of the calls made now: ``"peer"``, ``"data"`` or ``"io"``."""
+        return self._kinds[-1] if self._kinds else "peer"
+
+    @contextmanager
+    def deadline(self, kind: str) -> Iterator[FlatComm]:
+        """Make the calls inside the ``with`` block wait under the deadline of
+        ``kind`` (``"data"``: the slowest rank's data; ``"io"``: file I/O; see
+        :mod:`mpishard.comm.deadlines`), named so in a timeout message. Local; nests."""
+        self.deadlines.of(kind)   # a ValueError for an unknown kind
+        self._kinds.append(kind)
+        try:
+            yield self
+        finally:
+            self._kinds.pop()
+
     def wait_request(self, request: MPI.Request, what: str) -> None:
         """Wait for ``request``; past the timeout abort the job naming ``what``.
         A failure raises :class:`mpi4py.MPI.Exception` (:meth:`failure`)."""
@@ -161,6 +196,9 @@ class FlatComm:
             if other is exc:
                 raise
             raise other from exc
+        except CommunicationError:
+            _ABANDONED.append(request)
+            raise
 
     def failure(self, exc: MPI.Exception) -> MPI.Exception:
         """``exc``, or, on a fault-tolerant group (:func:`mpishard.comm.ulfm.enable`)
@@ -182,7 +220,7 @@ class FlatComm:
             request.Wait()
             return
         start = time.monotonic()
-        deadline = start + self.timeout
+        deadline = start + self.timeout + self.grace
         # A wait longer than note_after() is noted in the job directory, so that the
         # ranks that time out can tell who arrived; quick waits write nothing.
         note_at, noted, evicted = start + stuck.note_after(self.timeout), False, False
@@ -214,8 +252,8 @@ class FlatComm:
         done = stuck.evict(self.name, self._members())
         sys.stderr.write(f"[mpishard] {world_rank_and_host()} (rank {self.rank} of the "
                          f"{self.name} group): {self.describe(what)} did not finish within "
-                         f"{self.timeout:g} s; " + ("; ".join(done) or "no rank to evict")
-                         + "\n")
+                         f"{self.timeout:g} s ({self.deadlines.explain(self.kind)}); "
+                         + ("; ".join(done) or "no rank to evict") + "\n")
         sys.stderr.flush()
 
     def _abort_stuck(self, what: str) -> None:
@@ -223,13 +261,14 @@ class FlatComm:
         world rank, pid, host, whether it is stopped, and its Python stack
         (:mod:`mpishard.comm.stuck`)."""
         summary, detail = stuck.diagnose(self.name, self._members())
-        self.abort(f"{self.describe(what)} did not finish within {self.timeout:g} s"
+        self.abort(f"{self.describe(what)} did not finish within {self.timeout:g} s "
+                   f"({self.deadlines.explain(self.kind)})"
                    + (summary or "; a rank is probably not taking part (it failed, or its "
                                  "code took another path)"), detail=detail)
 
     def describe(self, what: str) -> str:
-        """``what`` named as in a timeout message: "Ibcast over the world group
-        (size 4) in save_checkpoint(/runs/c.h5)"."""
+        """``what`` named as in a timeout message: "Ibcast over the training
+        group (size 4) in save_checkpoint(/runs/c.h5)"."""
         text = f"{what} over the {self.name} group (size {self.size})"
         return f"{text} in {self._during[-1]}" if self._during else text
 
@@ -635,6 +674,25 @@ class FlatComm:
         world, found = self.bcast((MPI.COMM_WORLD.Get_rank(), finding), root=first)
         return first, world, found
 
+    def arrival_spread(self) -> float:
+        """Seconds from the first rank's call of this to the last one's, by the
+        ranks' clocks (``time.time()``): one Iallreduce of two floats, the same
+        result on every rank. Collective over the group.
+
+        It lets ranks agree on a timeout without a second collective: a rank
+        that gives up waiting here (past ``timeout + grace``) leaves its request
+        to the last rank, whose call then completes at once and returns more
+        than ``timeout``, so that every rank, the late ones too, knows the wait
+        failed. With ``grace`` above the clocks' skew, the ranks whose call
+        completed decide alike from the same number.
+        """
+        self.flush_deferred()
+        now = time.time()
+        buf = np.array([now, -now])
+        if self.size > 1:
+            self._timed(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.MAX), "Iallreduce")
+        return float(buf[0] + buf[1])
+
     def barrier(self, before: str | None = None) -> None:
         """Wait for every rank of the group. Collective over the group.
 
@@ -647,16 +705,20 @@ class FlatComm:
             self._timed(self.comm.Ibarrier(), f"Ibarrier before {before}" if before else "Ibarrier")
 
     # --- communicators ---------------------------------------------------
-    def dup(self, name: str | None = None) -> FlatComm:
-        """A duplicate of the group (its own message space). Collective over the group."""
+    def dup(self, name: str | None = None, *, context: bool = True) -> FlatComm:
+        """A duplicate of the group (its own message space), with the activities
+        named by :meth:`during` and the kind of wait of :meth:`deadline` unless
+        ``context`` is False. Collective over the group."""
         self.flush_deferred()
         if self.timeout is not None and hasattr(self.comm, "Idup"):
             comm, request = self.comm.Idup()
             self.wait_request(request, "Idup")
         else:
             comm = self.comm.Dup()
-        copy = FlatComm(comm, name or self.name, self.timeout, self._cuda_aware)
-        copy._during = list(self._during)
+        copy = FlatComm(comm, name or self.name, self.deadlines, self._cuda_aware)
+        if context:
+            copy._during = list(self._during)
+            copy._kinds = list(self._kinds)
         copy.abort_job = self.abort_job
         return copy
 
@@ -665,7 +727,7 @@ class FlatComm:
         Collective over the group (``Comm_split`` has no non-blocking form, so it
         is not under the timeout; the collective before it in the library is)."""
         self.flush_deferred()
-        child = FlatComm(self.comm.Split(color=color, key=key), name, self.timeout,
+        child = FlatComm(self.comm.Split(color=color, key=key), name, self.deadlines,
                          self._cuda_aware)
         child.abort_job = self.abort_job
         return child
@@ -675,9 +737,17 @@ class FlatComm:
         Collective over the group."""
         self.flush_deferred()
         child = FlatComm(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank), name,
-                         self.timeout, self._cuda_aware)
+                         self.deadlines, self._cuda_aware)
         child.abort_job = self.abort_job
         return child
+
+    def is_world(self) -> bool:
+        """The group's communicator is ``MPI.COMM_WORLD`` itself. Local."""
+        return MPI.Comm.Compare(self.comm, MPI.COMM_WORLD) == MPI.IDENT
+
+    def world_ranks(self) -> list[int]:
+        """The ``MPI.COMM_WORLD`` rank of each rank of the group, in group order. Local."""
+        return self._members()
 
     def free(self) -> None:
         """Free the communicator (not ``MPI.COMM_WORLD``/``COMM_SELF``). Collective."""
@@ -690,7 +760,7 @@ class FlatComm:
         return f"FlatComm({self.name!r}, rank {self.rank} of {self.size})"
 
 
-def from_comm(comm: Any, name: str, timeout: float | None = None) -> FlatComm:
+def from_comm(comm: Any, name: str, timeout: float | Deadlines | None = None) -> FlatComm:
     """``comm`` itself when it already is a :class:`FlatComm`, else one around it
     (for code that takes a user's ``mpi4py`` communicator)."""
     if isinstance(comm, FlatComm):

@@ -295,6 +295,10 @@ def diagnose(group: str, world_ranks: list[int]) -> tuple[str, str]:
         elif state in "Tt":
             parts.append(f"{where}: is stopped (/proc/{pid}/stat state {state}: SIGSTOP or "
                          f"a debugger), it cannot show its stack")
+        elif not os.path.exists(_job.path("rank", rank)):
+            # Its Python is ending (its note went at exit): its stack handler may be
+            # gone, and the signal would kill it. Not signalled.
+            parts.append(f"{where}: is exiting (its Python program has ended)")
         else:
             signalled.append((rank, pid, where, state, _size(_job.path("stack", rank))))
             try:

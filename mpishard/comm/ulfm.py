@@ -168,7 +168,7 @@ def recover(world: FlatComm, step: int, *, name: str | None = None,
             pass                                   # revoked already, by another survivor
         survivors = comm.Shrink()
         survivors.Set_errhandler(MPI.ERRORS_RETURN)
-        flat = FlatComm(survivors, name or world.name, world.timeout)
+        flat = FlatComm(survivors, name or world.name, world.deadlines)
         try:
             steps = flat.allgather(int(step))
             break

@@ -33,9 +33,9 @@ __all__ = ["hdf5_deadline"]
 @contextmanager
 def hdf5_deadline(comm: FlatComm, what: str, *, synchronize: bool = True) -> Iterator[None]:
     """Enter the HDF5 collective ``what`` over ``comm`` ("HDF5 File create") once
-    every rank has arrived, and end the process if it is not done within
-    ``comm.timeout`` seconds. Collective over ``comm``. Without a timeout it does
-    nothing at all.
+    every rank has arrived, and end the process if it is not done within the
+    file-I/O deadline (``comm.deadlines.io``: ``io_timeout=``). Collective over
+    ``comm``. Without that deadline it does nothing at all.
 
     ``synchronize=False`` skips the barrier, where the call just before was a
     collective that completes only once every rank has arrived (an Allreduce).
@@ -43,16 +43,18 @@ def hdf5_deadline(comm: FlatComm, what: str, *, synchronize: bool = True) -> Ite
     ``faulthandler`` has one such timer per process: this cancels one that the
     caller armed with ``faulthandler.dump_traceback_later``.
     """
-    if comm.timeout is None:
-        yield
-        return
-    if synchronize:
-        comm.barrier(before=what)
-    faulthandler.dump_traceback_later(comm.timeout, exit=True, file=_stderr_fd())
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+    with comm.deadline("io"):
+        seconds = comm.timeout
+        if seconds is None:
+            yield
+            return
+        if synchronize:
+            comm.barrier(before=what)
+        faulthandler.dump_traceback_later(seconds, exit=True, file=_stderr_fd())
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _stderr_fd() -> int:

@@ -99,7 +99,8 @@ OPTIONS: tuple[Option, ...] = (
            "data 128,128)", _G_MODEL, metavar="N,N,..."),
     Option("activation", "str", "gelu", "MLP activation: relu, gelu or tanh", _G_MODEL,
            ("relu", "gelu", "tanh")),
-    Option("dtype", "str", "float32", "parameter dtype: float32 or float64", _G_MODEL,
+    Option("dtype", "str", "float32", "parameter dtype: float32 or float64 (also the dtype "
+           "--data is trained in, whatever the file stores: the header says so)", _G_MODEL,
            ("float32", "float64")),
     Option("optimizer", "str", "adamw", "sgd, adam or adamw", _G_OPT, ("sgd", "adam", "adamw")),
     Option("lr", "float", None, "peak learning rate (gpt 3e-3, burgers 2e-3, data 1e-3)",

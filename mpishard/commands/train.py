@@ -276,7 +276,16 @@ def _data(s: Settings, comm: FlatComm, dtype: np.dtype,
         raise UsageError(f"--batch-size {s.batch_size} is larger than the {len(dataset)} "
                          f"samples in {s.data}")
     rule = f"targets {s.targets}" if s.targets else "each row's target is the next row"
-    return dataset, None, f"{len(dataset):,} samples of {s.data} ({rule}, read in parallel)"
+    stored = {np.dtype(d) for d in (dataset.input_dtype, dataset.target_dtype)
+              if np.dtype(d).kind == "f"}
+    # The model's dtype is --dtype's (float32 by default), whatever the file holds:
+    # the header says so where the two differ, and how to train in the file's.
+    cast = "" if stored <= {dtype} else (
+        f"; stored as {'/'.join(sorted(d.name for d in stored))}, trained as {dtype.name}"
+        + (f": --dtype {max(stored, key=lambda d: d.itemsize).name} trains in the file's "
+           f"precision" if max(d.itemsize for d in stored) > dtype.itemsize else ""))
+    return dataset, None, (f"{len(dataset):,} samples of {s.data} ({rule}, read in "
+                           f"parallel{cast})")
 
 
 def _gpu(comm: FlatComm, index: int | None) -> tuple[Any, Any]:

@@ -10,6 +10,18 @@ against parallel HDF5 the file is opened with the ``mpio`` driver over the
 given communicator (reads are independent: ranks need different rows at
 different moments); otherwise every rank opens it with the default driver.
 
+The ranks that open the file are named explicitly (``comm=``: the
+:class:`~mpishard.ShardingConfiguration` the data trains under, one of its
+groups, or an mpi4py communicator): in a job whose other ranks do other work (a
+simulation), a collective open over ``MPI.COMM_WORLD`` would wait for ranks that
+never come. Only a job of one process may leave it out. The dataset works on
+its own duplicate of those ranks' communicator (freed by ``close``). With a
+configuration the collective open and close wait under its file-I/O deadline
+(``io_timeout=``, :mod:`mpishard.comm.deadlines`). A dataset still open when
+the process exits is closed then (collectively, in the order the datasets were
+opened, before MPI ends), so a forgotten :meth:`~HDF5Dataset.close` costs no
+error at exit, even after the configuration was freed.
+
 Inputs and targets:
 
 * ``inputs="/group/x", targets="/group/y"``: sample ``i`` is ``(x[i], y[i])``.
@@ -22,12 +34,15 @@ A row may be a scalar (1-D dataset, one feature) or a vector (2-D dataset).
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from typing import Any
 
 import numpy as np
 
-from ..comm import from_comm, hdf5_deadline
+from ..comm import FlatComm, from_comm, hdf5_deadline
+from ..config import ShardingConfiguration
 from .transfer import RowMover
 
 __all__ = ["HDF5Dataset", "parse_data_spec"]
@@ -53,10 +68,11 @@ class HDF5Dataset:
         inputs: path of the inputs dataset in the file (``/group/x``).
         targets: path of the targets dataset, or None for the next-row rule
             (see the module docstring).
-        comm: the ranks that open the file together: a group of a
-            :class:`~mpishard.ShardingConfiguration` (its timeout then covers
-            opening and closing) or an mpi4py communicator; ``MPI.COMM_WORLD``
-            by default.
+        comm: the ranks that open the file together: the
+            :class:`~mpishard.ShardingConfiguration` training uses (its ranks,
+            ``config.world``; its file-I/O deadline then covers opening and
+            closing), one of its groups, or an mpi4py communicator (untimed).
+            Required unless the job is one process.
         driver: ``"auto"`` (``mpio`` when h5py has MPI and ``comm`` has more
             than one rank), ``"mpio"`` or ``"serial"``.
 
@@ -65,6 +81,7 @@ class HDF5Dataset:
     the rows this rank has read from each dataset.
 
     Raises (on every rank, whichever rank found the problem):
+        TypeError: no ``comm`` in a job of several processes (on each rank).
         FileNotFoundError: no file at ``path``.
         ValueError: not an HDF5 file, no such dataset (the message lists those
             there are), datasets of more than 2 dimensions or of a non-numeric
@@ -73,19 +90,45 @@ class HDF5Dataset:
 
     def __init__(self, path: str | os.PathLike, inputs: str, targets: str | None = None, *,
                  comm: Any = None, driver: str = "auto") -> None:
+        self._file = None
+        self.comm: FlatComm | None = None
+        group = _ranks(comm)
+        self.path = os.fspath(path)
+        if driver not in ("auto", "mpio", "serial"):
+            raise ValueError(f"driver must be 'auto', 'mpio' or 'serial', got {driver!r}")
+        # Every wait of opening is one for the file (its checks read it on every
+        # rank): under the file-I/O deadline, a late rank named with it. The
+        # dataset's own duplicate of the group: its calls never meet the caller's,
+        # and it outlives the group (a configuration freed before the exit).
+        opening = f"HDF5Dataset({self.path})"
+        with group.deadline("io"), group.during(opening):
+            self.comm = group.dup(context=False)
+        try:
+            with self.comm.deadline("io"), self.comm.during(opening):
+                self._open(inputs, targets, driver)
+        except BaseException:
+            self.close()                      # the file, if open, and the duplicate
+            raise
+        self.inputs, self.targets = inputs, targets
+        assert self._file is not None
+        self._x = self._file[inputs]
+        self._y = self._file[targets] if targets is not None else None
+        self._next_row = targets is None
+        self.rows_read = {"inputs": 0, "targets": 0}
+        self._mover = RowMover()
+
+    def _open(self, inputs: str, targets: str | None, driver: str) -> None:
+        """Check the file and open it; collective over ``comm``."""
         import h5py
 
-        comm = from_comm(comm, "data")
-        self.path = os.fspath(path)
-        self.comm = comm
+        comm = self.comm
+        assert comm is not None
         missing = None if os.path.isfile(self.path) else f"{self.path}: no such file"
         comm.agree(missing, FileNotFoundError)
         comm.agree(None if h5py.is_hdf5(self.path) else f"{self.path}: not an HDF5 file",
-              ValueError)
+                   ValueError)
         if driver == "auto":
             driver = "mpio" if h5py.get_config().mpi and comm.size > 1 else "serial"
-        if driver not in ("mpio", "serial"):
-            raise ValueError(f"driver must be 'auto', 'mpio' or 'serial', got {driver!r}")
         self.driver = driver
         if driver == "mpio":
             # HDF5's collective open cannot be timed by FlatComm: enter it once
@@ -95,16 +138,8 @@ class HDF5Dataset:
                 self._file = h5py.File(self.path, "r", driver="mpio", comm=comm.comm)
         else:
             self._file = h5py.File(self.path, "r")
-        problem = self._check(inputs, targets)
-        if problem is not None:
-            self._file.close()
-        comm.agree(problem, ValueError)
-        self.inputs, self.targets = inputs, targets
-        self._x = self._file[inputs]
-        self._y = self._file[targets] if targets is not None else None
-        self._next_row = targets is None
-        self.rows_read = {"inputs": 0, "targets": 0}
-        self._mover = RowMover()
+        _OPEN.append(weakref.ref(self))
+        comm.agree(self._check(inputs, targets), ValueError)
 
     def _check(self, inputs: str, targets: str | None) -> str | None:
         import h5py
@@ -147,6 +182,11 @@ class HDF5Dataset:
     def target_shape(self) -> tuple[int, ...]:
         src = self._x if self._next_row else self._y
         return src.shape[1:] or (1,)
+
+    @property
+    def input_dtype(self) -> np.dtype:
+        """The inputs' dtype in the file."""
+        return self._x.dtype
 
     @property
     def target_dtype(self) -> np.dtype:
@@ -197,14 +237,18 @@ class HDF5Dataset:
         return data.reshape(len(sorted_unique), -1) if data.ndim == 1 else data
 
     def close(self) -> None:
-        """Close the file. Collective over ``comm`` with the ``mpio`` driver."""
+        """Close the file. Collective over ``comm``."""
         if self._file is not None:
+            file, self._file = self._file, None
             if self.driver == "mpio":
+                assert self.comm is not None
                 with hdf5_deadline(self.comm, "HDF5 File close (mpio)"):
-                    self._file.close()
+                    file.close()
             else:
-                self._file.close()
-            self._file = None
+                file.close()
+        if self.comm is not None:
+            comm, self.comm = self.comm, None
+            comm.free()
 
     def __enter__(self) -> HDF5Dataset:
         return self
@@ -217,3 +261,38 @@ class HDF5Dataset:
         return (f"HDF5Dataset({self.path!r}, inputs={self.inputs!r}, targets={targets!r}, "
                 f"samples={len(self)}, driver={self.driver!r})")
 
+
+
+def _ranks(comm: Any) -> FlatComm:
+    """The group that opens the file: ``comm`` as a :class:`FlatComm` (a
+    configuration's ``world``). Local.
+
+    Raises:
+        TypeError: ``comm`` is None in a job of more than one process.
+    """
+    if isinstance(comm, ShardingConfiguration):
+        return comm.world
+    if comm is None:
+        world = from_comm(None, "MPI.COMM_WORLD")
+        if world.size > 1:
+            raise TypeError(
+                f"HDF5Dataset opens its file collectively: pass comm= the ranks that train "
+                f"(the ShardingConfiguration, or a communicator); MPI.COMM_WORLD, of "
+                f"{world.size} processes here, is not assumed")
+        return world
+    return from_comm(comm, "data")
+
+
+#: The datasets opened by this process, in order, to close at exit those still open.
+_OPEN: list[weakref.ref] = []
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the datasets left open, in the order they were opened (the same on
+    every rank: the closes of ``mpio`` files pair up). Python's ``atexit``
+    handlers run before mpi4py ends MPI, so the collective close still can."""
+    while _OPEN:
+        dataset = _OPEN.pop(0)()
+        if dataset is not None:
+            dataset.close()

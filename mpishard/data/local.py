@@ -21,7 +21,7 @@ With tensor or pipeline parallelism the data-parallel group is what matters:
 every rank of one model replica (its tensor and pipeline peers) trains on the
 same rows, so those peers must hold the same rows (checked at construction:
 row counts and a digest of the bytes); rows that differ between them are
-refused with the world ranks named.
+refused, naming the rank and its group.
 """
 
 from __future__ import annotations

@@ -24,8 +24,16 @@ iterator has ended. Row counts that disagree (``local=False``: every rank the
 same; ``local=True``: the peers of one replica the same), other row shapes or
 dtypes, a stream that ends on some ranks only, an item that is not an ``(x,
 y)`` pair, or an iterator that raises, are a ``ValueError`` on every rank that
-names the batch and the ranks. The values themselves are not compared: that
-each rank yields the right rows is the caller's part.
+names the batch and the ranks (by their rank in ``MPI.COMM_WORLD``, with their
+rank in the library's group beside it unless the group numbers them as
+``MPI.COMM_WORLD`` does). The values
+themselves are not compared: that each rank yields the right rows is the
+caller's part.
+
+**Waiting for the data.** That exchange completes once the slowest rank's
+iterator has yielded its batch: its wait is one for data, under
+``ShardingConfiguration(data_timeout=...)`` (by default the ``timeout``), not
+the deadline of the other collectives; see :mod:`mpishard.comm.deadlines`.
 
 **Reading.** A batch is read when its step is about to run, never ahead, so a
 stop (``max_steps``, a signal, the callback) leaves the next batch in the
@@ -33,10 +41,16 @@ iterator; and the loop is done with a batch's arrays before it reads the next,
 so an iterator may yield views of one receive buffer that it refills each time.
 
 **The data position** of a stream counts its batches: ``data_position`` holds
-``batches`` (the stream's index of the next batch; the batches before it are
-trained on) and ``samples_consumed`` (their rows), and a checkpoint stores
-both. A stream is numbered from ``first``: ``BatchStream(batches)``
-continues the position (its first batch is batch ``data_position["batches"]``:
+``batches`` (the stream's index of the next batch; the batches before it were
+read: trained on, or refused) and ``samples_consumed`` (the rows trained on),
+and a checkpoint stores both. A batch that is refused (the ``ValueError``s
+above, an iterator that raises) was read from the iterator, so it counts:
+after the error the position and :attr:`BatchStream.index` are one past it on
+every rank, and ``BatchStream(batches)`` or ``BatchStream(batches, first=k + 1)``
+goes on with the batch after the refused batch ``k``.
+
+A stream is numbered from ``first``: ``BatchStream(batches)`` continues the
+position (its first batch is batch ``data_position["batches"]``:
 a live simulation handing over what comes next), and
 ``BatchStream(batches, first=k)`` says that its first batch is batch ``k`` of
 the sequence: batches before the position are read and skipped (a replayable
@@ -118,8 +132,9 @@ class BatchStream:
         starts = world.allgather(here)
         problem = None
         if min(starts) != max(starts):
-            problem = (f"the ranks' streams start at different batches: {starts} (by world "
-                       f"rank); pass the same first= everywhere")
+            problem = (f"the ranks' streams start at different batches: "
+                       f"{_Labels(world).values(starts, 'batch {}')}; pass the same first= "
+                       f"everywhere")
         elif at is not None and here > at:
             problem = (f"the stream starts at batch {here} but the data position is at "
                        f"batch {at}: batches {at} to {here - 1} would be missed (first= "
@@ -127,6 +142,8 @@ class BatchStream:
                        f"new count)")
         world.agree(problem, ValueError)
         skip, problem = (at - here if at is not None else 0), None
+        # Every rank reads its iterator up to the position, as fast as its producer
+        # gives it: the agreement below is a wait for the slowest rank's data.
         for k in range(skip):
             try:
                 next(self._items)
@@ -139,7 +156,8 @@ class BatchStream:
                 problem = (f"the stream raised {type(exc).__name__} while skipping to "
                            f"batch {at}: {exc}")
                 break
-        world.agree(problem, ValueError)
+        with world.deadline("data"), world.during(f"BatchStream skipping to batch {at}"):
+            world.agree(problem, ValueError)
         self.index = here + skip
         return self.index
 
@@ -157,7 +175,8 @@ class BatchStream:
         number of times).
 
         Raises:
-            ValueError: on every rank: see the module docstring.
+            ValueError: on every rank: see the module docstring. The batch was
+                read: :attr:`index` is past it.
         """
         x = y = None
         problem = None
@@ -180,19 +199,24 @@ class BatchStream:
         mine[_STATE] = state
         if self._every is None or len(self._every) != 4 * world.size:
             self._every = np.empty(4 * world.size, dtype=np.int64)
-        world.Allgatherv(self._every, [4] * world.size, slot="batch-stream", sendbuf=mine)
-        every = self._every.reshape(world.size, 4)
         index = self.index if self.index is not None else 0
-        if (every[:, _STATE] == _FAILED).any():
-            world.agree(f"stream batch {index}: {problem}" if problem else None, ValueError)
+        # The slowest rank's iterator sets when this completes: a wait for data.
+        with world.deadline("data"), world.during(f"BatchStream batch {index}"):
+            world.Allgatherv(self._every, [4] * world.size, slot="batch-stream", sendbuf=mine)
+        every = self._every.reshape(world.size, 4)
         if (every[:, _STATE] == _ENDED).all():
             self.exhausted = True
             return None
-        problem = self._disagreement(every, dp.size, batch_size, equal_parts)
+        # From here the batch was read on some rank: it counts, refused or not, so
+        # that the position stays that of the caller's iterator (the next batch).
+        self.index = index + 1
+        if (every[:, _STATE] == _FAILED).any():
+            world.agree(f"stream batch {index}: {problem}" if problem else None, ValueError)
+        labels = _Labels(world)
+        problem = self._disagreement(every, dp.size, batch_size, equal_parts, labels)
         if problem is not None:
             detail = world.allgather(None if x is None else _describe(x, y))
-            raise ValueError(f"stream batch {index}: {problem}" + _shapes_named(detail))
-        self.index = index + 1
+            raise ValueError(f"stream batch {index}: {problem}" + _shapes_named(detail, labels))
         per_rank = np.zeros(dp.size, dtype=np.int64)
         per_rank[every[:, _DP]] = every[:, _ROWS]   # the peers of a replica agree
         assert x is not None and y is not None
@@ -230,19 +254,19 @@ class BatchStream:
         return self._sig
 
     def _disagreement(self, every: np.ndarray, dp_size: int, batch_size: int | None,
-                      equal_parts: int) -> str | None:
+                      equal_parts: int, labels: _Labels) -> str | None:
         ended = np.flatnonzero(every[:, _STATE] == _ENDED)
         if len(ended):
             read = np.flatnonzero(every[:, _STATE] == _READ)
-            return (f"the stream ended on world rank(s) {ended.tolist()} but yielded a "
-                    f"batch on world rank(s) {read.tolist()}")
+            return (f"the stream ended on {labels.many(ended)} but yielded a "
+                    f"batch on {labels.many(read)}")
         if (every[:, _SIG] != every[0, _SIG]).any():
             return "the ranks yield rows of different shapes or dtypes"
         rows = every[:, _ROWS]
         if not self.local:
             if (rows != rows[0]).any():
                 return (f"with local=False every rank yields the same global batch, but "
-                        f"the ranks yield {rows.tolist()} rows (by world rank)")
+                        f"the ranks yield {labels.values(rows, '{} rows')}")
             total, parts = int(rows[0]), [rank_rows(int(rows[0]), dp_size, r)
                                           for r in range(dp_size)]
             per_rank = [hi - lo for lo, hi in parts]
@@ -289,7 +313,30 @@ def _describe(x: Any, y: Any) -> str:
             f"{tuple(y.shape[1:])} {np.dtype(y.dtype).name}")
 
 
-def _shapes_named(detail: list[str | None]) -> str:
-    """What each world rank yielded (only on the error path: one more allgather)."""
-    parts = [f"world rank {r}: {d or 'nothing'}" for r, d in enumerate(detail)]
+def _shapes_named(detail: list[str | None], labels: _Labels) -> str:
+    """What each rank yielded (only on the error path: one more allgather)."""
+    parts = [f"{labels.one(r)}: {d or 'nothing'}" for r, d in enumerate(detail)]
     return " (" + "; ".join(parts[:8]) + ("; ..." if len(parts) > 8 else "") + ")"
+
+
+class _Labels:
+    """How the stream's errors name the ranks of ``group``: by ``MPI.COMM_WORLD``
+    rank, with the rank in the group beside it unless the group numbers its ranks
+    as ``MPI.COMM_WORLD`` does (only on the error path)."""
+
+    def __init__(self, group: FlatComm) -> None:
+        self.name, self.world = group.name, group.world_ranks()
+        self.same = self.world == list(range(len(self.world)))
+
+    def one(self, rank: int) -> str:
+        world = self.world[rank]
+        return (f"world rank {world}" if self.same else
+                f"world rank {world} (rank {rank} of the {self.name} group)")
+
+    def many(self, ranks: Any) -> str:
+        return ", ".join(self.one(int(r)) for r in ranks)
+
+    def values(self, values: Any, form: str) -> str:
+        """Each rank's value as ``form`` says ("{} rows"), in group order."""
+        return ", ".join(f"{form.format(int(v))} on {self.one(r)}"
+                         for r, v in enumerate(values))

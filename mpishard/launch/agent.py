@@ -34,6 +34,15 @@ crash, the out-of-memory killer).
   finished anyway, else the launcher's status. A second SIGTERM/SIGINT ends the
   launcher at once. (``mpirun`` runs in a session of its own, so a terminal's
   Ctrl-C reaches the agent only.)
+* Workers that exit 0 after the agent asked them to stop (a resize, or SIGTERM)
+  finished only if training did: their ``ElasticOptimizer`` leaves a note in the
+  launch folder when it stopped for a signal and checkpointed
+  (:data:`~mpishard.exitcodes.STOP_NOTE`). With that note the agent takes the
+  status 0 for 75 (a worker script that ignores ``opt.exit_code``, as scripts
+  written for 0.1 do): it relaunches at the new size, or exits 75 after SIGTERM,
+  and says in one line (an ``unfinished`` event) that the script should end with
+  ``raise SystemExit(opt.exit_code)``. Without the note (the workers had
+  finished before the signal reached them) 0 means done.
 
 The workers see these variables (all set by the agent):
 
@@ -74,7 +83,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from ..exitcodes import EXIT_STOPPED
+from ..exitcodes import EXIT_STOPPED, STOP_NOTE
 from .slots import SlotSource, next_size
 
 __all__ = ["ElasticAgent", "ElasticFailure", "WorkerWatch", "last_checkpoint"]
@@ -375,6 +384,8 @@ class ElasticAgent:
                 if proc.poll() is None:      # the agent itself is failing: take mpirun along
                     proc.kill()
                     proc.wait()
+            if code == 0 and (outcome["resize_to"] is not None or outcome["stopped"]):
+                code = self._unfinished(job_dir, outcome)
             shutil.rmtree(job_dir, ignore_errors=True)
             try:
                 os.remove(self._ready_file)
@@ -423,6 +434,27 @@ class ElasticAgent:
                 raise self._fail(f"a worker failed (exit status {code}): {target} worker(s) "
                                  f"left, fewer than --min-workers {self.min_workers}")
             workers, reason = target, "failure"
+
+    def _unfinished(self, job_dir: str, outcome: dict) -> int:
+        """The status to act on when the workers exited 0 after the agent asked
+        them to stop: 75 when their note says that training stopped for it and
+        checkpointed (a worker script that ignores ``opt.exit_code``), else 0."""
+        try:
+            with open(os.path.join(job_dir, STOP_NOTE)) as f:
+                note = json.load(f)
+        except (OSError, ValueError):
+            return 0                          # no note: they had finished
+        then = ("relaunches them at the new size" if outcome["resize_to"] is not None
+                else f"exits {EXIT_STOPPED}")
+        self._event("unfinished", reason=note.get("reason"), step=note.get("step"),
+                    checkpoint=note.get("checkpoint"))
+        self.out.write(f"[mpishard run] the workers exited with status 0 after stopping for "
+                       f"a {note.get('reason')} at step {note.get('step')} (checkpointed): "
+                       f"training is not finished, so the agent {then} as for status "
+                       f"{EXIT_STOPPED}; end the worker script with "
+                       f"`raise SystemExit(opt.exit_code)`\n")
+        self.out.flush()
+        return EXIT_STOPPED
 
     def _watch(self, proc: subprocess.Popen, workers: int, stamp: tuple,
                watch: WorkerWatch) -> tuple[int, dict]:

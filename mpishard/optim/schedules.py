@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -50,7 +51,8 @@ class WarmupSchedule:
     warmup_steps: int
 
     def __post_init__(self) -> None:
-        _check_count("warmup_steps", self.warmup_steps, 0)
+        object.__setattr__(self, "warmup_steps",
+                           _check_count("warmup_steps", self.warmup_steps, 0))
 
     def __call__(self, step: int) -> float:
         _check_step(step)
@@ -83,13 +85,14 @@ class CosineSchedule:
     min_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_count("total_steps", self.total_steps, 1)
-        _check_count("warmup_steps", self.warmup_steps, 0)
+        for name, low in (("total_steps", 1), ("warmup_steps", 0)):
+            object.__setattr__(self, name, _check_count(name, getattr(self, name), low))
         if self.warmup_steps >= self.total_steps:
             raise ValueError(f"expecting warmup_steps < total_steps={self.total_steps}, "
                              f"got {self.warmup_steps}")
         ratio = self.min_ratio
-        if not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        if (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real)
+                or not 0.0 <= ratio <= 1.0):
             raise ValueError(f"expecting min_ratio in [0, 1], got {ratio!r}")
         object.__setattr__(self, "min_ratio", float(ratio))
 
@@ -135,6 +138,8 @@ def _check_step(step: int) -> None:
         raise ValueError(f"expecting a 1-based step >= 1, got {step}")
 
 
-def _check_count(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+def _check_count(name: str, value: Any, low: int) -> int:
+    """``value`` as an int (NumPy integers too), or a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"expecting an integer {name} >= {low}, got {value!r}")
+    return int(value)

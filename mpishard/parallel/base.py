@@ -66,6 +66,11 @@ class DataParallelOptions:
     overlap: bool | str = True
     nonfinite: str = "error"
 
+    def __post_init__(self) -> None:
+        steps = self.accumulation_steps
+        if isinstance(steps, numbers.Integral) and not isinstance(steps, bool):
+            object.__setattr__(self, "accumulation_steps", int(steps))   # np.int64(2) -> 2
+
     def problem(self) -> str | None:
         """Why these options cannot be used, or None. Pure."""
         steps = self.accumulation_steps

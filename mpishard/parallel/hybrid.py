@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -81,14 +82,15 @@ class HybridShardedModel:
         if schedule not in SCHEDULES:
             problem = (f"unknown pipeline schedule {schedule!r}: choose one of "
                        f"{', '.join(SCHEDULES)}")
-        elif not isinstance(micro_batches, int) or micro_batches < 1:
+        elif (not isinstance(micro_batches, numbers.Integral) or isinstance(micro_batches, bool)
+              or micro_batches < 1):
             problem = f"micro_batches must be a positive integer, got {micro_batches!r}"
         config.world.agree(problem, ValueError)
         self.config = config
         groups = config.groups
         self.tp = groups.tp
         self.pp = groups.pp
-        self.micro_batches = micro_batches
+        self.micro_batches = int(micro_batches)
         self.schedule = schedule
 
         config.world.agree(_factory_problem(model), TypeError)

@@ -16,6 +16,15 @@ on elsewhere or at another size from exactly there. ``optimize()`` never ends
 the process itself (a library call inside a simulation must not), unless
 ``exit_on_signal=True`` asks for it.
 
+A worker script written for 0.1 (whose ``optimize()`` exited the process) ends
+with status 0 after such a stop unless it exits with ``exit_code``. Two things
+keep that from ending a job early: rank 0 leaves a note in the launch folder
+(:data:`~mpishard.exitcodes.STOP_NOTE`), from which ``mpishard run`` tells a
+stop it asked for from a finished run and relaunches (or exits 75) all the same;
+and a process that never read :attr:`~ElasticOptimizer.exit_code` (or
+:attr:`~ElasticOptimizer.stop_reason`) after a stop prints, at exit, one line
+that says what to change.
+
 Signals reach the ranks at different moments, so the decision to stop is agreed
 collectively after every step (:class:`~mpishard.train.StopRequest`: one
 Allreduce of one number over the world), and every rank stops after the same step.
@@ -23,16 +32,19 @@ Allreduce of one number over the world), and every rank stops after the same ste
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import CheckpointManager
 from ..config import ShardingConfiguration
 from ..errors import MpiShardError
-from ..exitcodes import EXIT_STOPPED
+from ..exitcodes import EXIT_STOPPED, STOP_NOTE
 from ..parallel import DDPCore, ZeRO2Core, ZeRO3Core
 from ..train import Checkpointing, Sampling, StopRequest, TrainResult, run_training
 from .base import Strategy
@@ -122,7 +134,8 @@ class ElasticOptimizer(Strategy):
                         if checkpoint_dir is not None else None)
         self.resumed_from: str | None = None
         self.recovery_seconds: float | None = None
-        self.stop_reason: str | None = None
+        self._stop_reason: str | None = None
+        self._stopped: _Stop | None = None   # the last stop, until exit_code is read
         self._stop = StopRequest()
         self._new_pass = False
 
@@ -149,7 +162,20 @@ class ElasticOptimizer(Strategy):
         """What the worker process should exit with: :data:`~mpishard.exitcodes.EXIT_STOPPED`
         (75: checkpointed, relaunch me) after a stop a signal or :meth:`request_stop`
         asked for, else 0."""
-        return EXIT_STOPPED if self.stop_reason is not None else 0
+        self._seen()
+        return EXIT_STOPPED if self._stop_reason is not None else 0
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the last :meth:`optimize` stopped before its end: ``"resize"``
+        (SIGUSR1), ``"preempt"`` (SIGTERM), the reason given to
+        :meth:`request_stop`, or None."""
+        self._seen()
+        return self._stop_reason
+
+    def _seen(self) -> None:
+        if self._stopped is not None:
+            self._stopped.seen = True
 
     def new_pass(self) -> None:
         """Start a new pass over the data at the next :meth:`optimize` (after it
@@ -224,19 +250,50 @@ class ElasticOptimizer(Strategy):
 
         sampling = Sampling(seed=seed, batch_size_may_change=self.batch_policy == "scale-lr")
         checkpointing = Checkpointing(self.manager, self.checkpoint_every or 0, self.min_workers)
+        self._note_stop(None)        # training goes on: an earlier stop's note is void
         with self._stop:
             self._announce_ready()
             result = run_training(core, model, data, epochs, self.global_batch(batch_size),
                                   sampling=sampling, callback=after_step, stop=self._stop,
                                   checkpointing=checkpointing, **options)
         self._stop.received = None   # consumed: the next optimize() trains again
-        self.stop_reason = None
+        self._seen()                 # an earlier stop is over: training went on
+        self._stop_reason, self._stopped = None, None
         if result.stopped not in (None, "callback", "max_steps", "exhausted"):
-            self.stop_reason = _REASONS.get(result.stopped, result.stopped)
+            self._stop_reason = _REASONS.get(result.stopped, result.stopped)
+            self._stopped = _Stop(self._stop_reason, core.step_count,
+                                  self.config.world.rank == 0)
+            _STOPS.append(self._stopped)
+            self._note_stop(result)
             if self.exit_on_signal:
+                self._seen()
                 sys.stdout.flush()
                 sys.exit(EXIT_STOPPED)
         return result
+
+    def _note_stop(self, result: TrainResult | None) -> None:
+        """Rank 0 notes the stop of ``result`` in the launch folder for the
+        agent (:data:`~mpishard.exitcodes.STOP_NOTE`), or removes the note
+        (None). Local; nothing outside ``mpishard run``."""
+        folder = os.environ.get("MPISHARD_JOB_DIR")
+        if not folder or self.config.world.rank != 0:
+            return
+        path = os.path.join(folder, STOP_NOTE)
+        if result is None:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+            return
+        note = {"reason": self._stop_reason, "signal": result.stopped,
+                "step": self.core.step_count, "checkpoint": result.checkpoint,
+                "exit_code": EXIT_STOPPED}
+        try:
+            with open(f"{path}.tmp", "w") as f:
+                json.dump(note, f)
+            os.replace(f"{path}.tmp", path)
+        except OSError:
+            pass   # a launch folder already gone: the agent is not listening
 
     # --- signals ----------------------------------------------------------------------
     def _announce_ready(self) -> None:
@@ -249,3 +306,39 @@ class ElasticOptimizer(Strategy):
         if self.config.world.rank == 0:
             with open(path, "w") as f:
                 f.write(str(os.getpid()))
+
+
+@dataclass
+class _Stop:
+    """A stop of :meth:`ElasticOptimizer.optimize` to be relaunched: its reason,
+    the step, whether this rank speaks for the job, and whether the script read
+    ``exit_code`` (or ``stop_reason``) since. Kept for the exit even when the
+    optimizer is gone (a script's ``main()`` returned)."""
+
+    reason: str
+    step: int
+    speaker: bool
+    seen: bool = False
+
+
+#: The stops of this process, for :func:`_unread_stop_at_exit`.
+_STOPS: list[_Stop] = []
+
+
+@atexit.register
+def _unread_stop_at_exit() -> None:
+    """At exit: where training stopped to be relaunched and the script never
+    read ``exit_code`` (or ``stop_reason``) after it, say on the stopping
+    world's rank 0 what a status of 0 does and what to change. (``atexit``
+    cannot see the exit status: a script that read the stop only through
+    ``result.stopped`` and exits 75 by itself sees the line too.)"""
+    for stop in _STOPS:
+        if not stop.seen and stop.speaker:
+            sys.stderr.write(
+                f"[mpishard] ElasticOptimizer stopped for a {stop.reason} after step "
+                f"{stop.step} and checkpointed (opt.exit_code is {EXIT_STOPPED}), but this "
+                f"script never read opt.exit_code: if it ends with status 0, `mpishard run` "
+                f"and batch scripts take the training as finished. End the worker script "
+                f"with `raise SystemExit(opt.exit_code)`.\n")
+            sys.stderr.flush()
+        stop.seen = True

@@ -98,9 +98,14 @@ class Feeder:
         over the world for a stream or a collective dataset; local otherwise."""
         core = self.core
         if self.stream is not None:
-            got = self.stream.read(core.config.world, core.dp, core.xp,
-                                   core.dtype, batch_size=self.batch_size,
-                                   equal_parts=self.parts if self.pipeline > 1 else 1)
+            try:
+                got = self.stream.read(core.config.world, core.dp, core.xp,
+                                       core.dtype, batch_size=self.batch_size,
+                                       equal_parts=self.parts if self.pipeline > 1 else 1)
+            finally:
+                # A refused batch was read from the iterator too: the position
+                # counts it (the stream's index is past it), as the caller's does.
+                self.position["batches"] = self.stream.index
             return None if got is None else Batch(*got)
         rows = self.sampler.current_batch_size()
         lo, hi = rank_rows(rows, core.dp.size, core.dp.rank)

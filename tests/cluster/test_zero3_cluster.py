@@ -14,15 +14,15 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import mpi_env
-from test_cluster import HOSTS, cluster, hosts_by_rank  # noqa: F401  (the fixture)
+from mpijobs import SUPPORT, mpi_env
+from nscluster import HOSTS
+from test_cluster import hosts_by_rank
 
 pytestmark = pytest.mark.launch
 
-CASES = Path(__file__).with_name("zero3_cases.py")
+CASES = SUPPORT / "zero3_cases.py"
 
 
 def run_case(env, case, n=4, timeout=180):

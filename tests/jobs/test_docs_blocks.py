@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import REPO, mpi_env, mpirun, mpirun_command
+from mpijobs import REPO, mpi_env, mpirun, mpirun_command
 
 pytestmark = pytest.mark.launch
 

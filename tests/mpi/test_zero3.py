@@ -346,6 +346,7 @@ def hybrid_factory(kind):
                              dtype=np.float64, seed=5)
 
 
+@pytest.mark.layout3d   # also at 8 ranks: tp2-pp2-dp2
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"tp{t[0]}-pp{t[1]}-dp{t[2]}")
 @pytest.mark.parametrize("kind, schedule", [("gpt", "1f1b"), ("mlp", "gpipe")])
 def test_hybrid_matches_one_process(layout, kind, schedule):
@@ -504,7 +505,7 @@ def test_numpy_memory_does_not_grow_in_the_step_loop():
 @pytest.mark.parametrize("gathers", GATHERS)
 def test_on_the_device_matches_one_process(gathers):
     """The same path on CuPy arrays (the model, the shards, the gathers)."""
-    from conftest import _cupy_or_skip
+    from backends import cupy_or_skip as _cupy_or_skip
 
     cp = _cupy_or_skip()
     ref, ref_losses, _ = serial_reference(make_mlp, OPTIMIZERS["adamw"])
@@ -525,7 +526,7 @@ def test_on_the_device_matches_one_process(gathers):
 @pytest.mark.gpu
 @pytest.mark.parametrize("gathers", GATHERS)
 def test_device_memory_pool_holds_the_same_bytes_after_step_3_and_30(gathers):
-    from conftest import _cupy_or_skip
+    from backends import cupy_or_skip as _cupy_or_skip
 
     cp = _cupy_or_skip()
     rng = np.random.default_rng(0)
@@ -582,6 +583,7 @@ def hybrid_run(comm, tp, pp, data_parallel, kind="gpt", reproducible=False, step
     return merged, np.array(losses)
 
 
+@pytest.mark.layout3d   # also at 8 ranks: tp2-pp2-dp2
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"tp{t[0]}-pp{t[1]}-dp{t[2]}")
 def test_hybrid_same_bits_as_hybrid_zero2(layout):
     tp, pp, _ = layout
@@ -595,6 +597,7 @@ def test_hybrid_same_bits_as_hybrid_zero2(layout):
     np.testing.assert_array_equal(zero3[1], zero2[1])
 
 
+@pytest.mark.layout3d   # also at 8 ranks: tp2-pp2-dp2
 @pytest.mark.parametrize("pp", [1, 2])
 def test_hybrid_reproducible_same_bits_as_one_process(pp):
     """Reproducible mode: a pipelined ZeRO-3 run has the bits of DDP on one process."""

@@ -234,6 +234,7 @@ def assert_slices(model, params, full_params, full_layout):
                                    rtol=RTOL, atol=RTOL * 1e-2)
 
 
+@pytest.mark.layout3d   # also at 8 ranks: tp2-pp2-dp2
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)],
                          ids=["tp1-pp1", "tp2", "pp2", "tp2-pp2"])
 def test_3d_zero3_to_whole_zero3_and_back(tp, pp, mpi_tmp_path):

@@ -1,0 +1,197 @@
+"""3D parallelism against one process training the whole model on the global batch.
+
+Every (tp, pp, dp) layout whose product is the world size runs here, with DDP and
+with ZeRO-2 inside the data group, GPipe and 1F1B, for the GPT and the MLP; the
+serial reference (the whole model, the optimizer called directly) is computed in
+the same test. float64, rtol 1e-10 after several steps. Run at 1, 2, 4 and 8 ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from reference import assert_shards_match, sampler_batches, train_serial
+
+from mpishard import ShardingConfiguration, TopologyError
+from mpishard.nn import GPT, ParallelMLP
+from mpishard.optim import AdamW
+from mpishard.strategies import HybridShardedModel, HybridShardedOptimizer
+
+pytestmark = [pytest.mark.mpi, pytest.mark.layout3d]   # also at 8 ranks: tp2-pp2-dp2
+
+WORLD = MPI.COMM_WORLD.size
+# (tp, pp, dp); those of the current world size run.
+ALL_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2),
+               (1, 4, 1), (2, 2, 2)]
+
+
+def or_skipped(cases: list, names: int, reason: str) -> list:
+    """``cases``; when there are none for this world size, one case skipped with ``reason``."""
+    skipped = pytest.param(*[None] * names, id="none", marks=pytest.mark.skip(reason=reason))
+    return cases or [skipped]
+
+
+LAYOUTS = or_skipped([layout for layout in ALL_LAYOUTS if math.prod(layout) == WORLD], 1,
+                     f"no (tp, pp, dp) layout of {WORLD} ranks: run at 1, 2, 4 or 8")
+VOCAB, SEQ, D, HEADS, BLOCKS = 13, 6, 8, 2, 2
+
+
+def gpt_factory(**kw):
+    return functools.partial(GPT, VOCAB, SEQ, D, HEADS, BLOCKS, dtype=np.float64, seed=11, **kw)
+
+
+def mlp_factory():
+    return functools.partial(ParallelMLP, [6, 8, 8, 8, 4], activation="tanh",
+                             dtype=np.float64, seed=5)
+
+
+def token_data(n=48):
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, VOCAB, (n, SEQ))
+    return x, np.roll(x, -1, axis=1)
+
+
+def mlp_data(n=48):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, 6))
+    return x, np.argmax(x[:, :4] + 0.1 * rng.standard_normal((n, 4)), axis=1)
+
+
+def serial_reference(factory, data, batch, epochs, make_opt, max_grad_norm=None):
+    """One process: the serial model of ``factory``, the whole global batch, the
+    optimizer called directly (``reference``)."""
+    x, y = data
+    run = train_serial(factory()(), make_opt(), sampler_batches(x, y, batch, epochs),
+                       max_grad_norm=max_grad_norm)
+    return run.model, run.losses
+
+
+def make_opt():
+    return AdamW(lr=1e-2, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"tp{t[0]}-pp{t[1]}-dp{t[2]}")
+@pytest.mark.parametrize("data_parallel", ["ddp", "zero2"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_gpt_matches_serial(layout, data_parallel, schedule):
+    tp, pp, dp = layout
+    data = token_data()
+    serial, ref_losses = serial_reference(gpt_factory, data, 16, 2, make_opt, max_grad_norm=0.3)
+    config = ShardingConfiguration(MPI.COMM_WORLD, tensor_parallel_size=tp,
+                                   pipeline_parallel_size=pp)
+    model = HybridShardedModel(gpt_factory(), config, micro_batches=2, schedule=schedule)
+    opt = HybridShardedOptimizer(make_opt(), config, data_parallel=data_parallel, model=model,
+                                 max_grad_norm=0.3)
+    result = opt.optimize(model, data, epochs=2, batch_size=16)
+    np.testing.assert_allclose(result.losses, ref_losses, rtol=1e-10)
+    assert_shards_match(model, serial)
+    assert opt.last_grad_norm > 0.3          # clipping was active: the norm is global
+    opt.verify_in_sync()
+    # Each rank holds only its part: its stage's layers, its tensor slice.
+    assert model.params.size < serial.params.size or WORLD == 1 or dp == WORLD
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"tp{t[0]}-pp{t[1]}-dp{t[2]}")
+def test_mlp_matches_serial(layout):
+    tp, pp, dp = layout
+    data = mlp_data()
+    serial, ref_losses = serial_reference(mlp_factory, data, 16, 3, make_opt)
+    config = ShardingConfiguration(MPI.COMM_WORLD, tensor_parallel_size=tp,
+                                   pipeline_parallel_size=pp)
+    model = HybridShardedModel(mlp_factory(), config, micro_batches=4)
+    opt = HybridShardedOptimizer(make_opt(), config, data_parallel="zero2", model=model,
+                                 accumulation_steps=1)
+    result = opt.optimize(model, data, epochs=3, batch_size=16)
+    np.testing.assert_allclose(result.losses, ref_losses, rtol=1e-10)
+    assert_shards_match(model, serial)
+
+
+@pytest.mark.mpi(min_size=2)   # model parallelism needs two ranks
+def test_memory_report_is_the_shard():
+    config = ShardingConfiguration(MPI.COMM_WORLD, tensor_parallel_size=1,
+                                   pipeline_parallel_size=min(WORLD, 4))
+    model = HybridShardedModel(gpt_factory(), config)
+    opt = HybridShardedOptimizer(make_opt(), config, model=model)
+    report = opt.memory_report()
+    assert report["parameters"] == model.params.nbytes
+    sizes = model.pp.comm.allgather(model.params.size)
+    assert sum(sizes) == gpt_factory()().params.size   # the stages partition the model
+
+
+def test_bad_layouts_raise_everywhere():
+    comm = MPI.COMM_WORLD
+    with pytest.raises(TopologyError, match="not divisible"):
+        HybridShardedModel(gpt_factory(), None, pipeline_parallel_size=WORLD + 1)
+    if WORLD >= 3:   # a GPT with no blocks has 2 top-level layers: embedding, head
+        with pytest.raises(ValueError, match="larger than the model's 2 top-level layers"):
+            HybridShardedModel(functools.partial(GPT, VOCAB, SEQ, D, HEADS, 0), None,
+                               pipeline_parallel_size=WORLD)
+    if WORLD % 2 == 0:
+        with pytest.raises(ValueError, match="n_heads=3 is not divisible"):
+            HybridShardedModel(functools.partial(GPT, VOCAB, SEQ, 12, 3, 1), None,
+                               tensor_parallel_size=2)
+    model = HybridShardedModel(gpt_factory(), None, pipeline_parallel_size=1, micro_batches=3)
+    opt = HybridShardedOptimizer(make_opt(), model=model)
+    with pytest.raises(ValueError, match="does not split across"):
+        opt.optimize(model, token_data(), epochs=1, batch_size=4 * comm.size)
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        HybridShardedModel(gpt_factory(), None, schedule="zigzag")
+
+
+# (writer tp, pp, data-parallel kind, ranks) -> (reader tp, pp, kind, ranks), by world size.
+CONVERSIONS = {
+    8: [((2, 2, "zero2", 8), (1, 1, "ddp", 1)),      # tp2-pp2-dp2 -> tp1-pp1-dp1
+        ((2, 2, "ddp", 8), (2, 1, "zero2", 8)),      # tp2-pp2-dp2 -> tp2-pp1-dp4
+        ((1, 1, "ddp", 1), (2, 2, "zero2", 4))],     # tp1-pp1-dp1 -> tp2-pp2-dp1
+    4: [((2, 2, "zero2", 4), (1, 1, "ddp", 1)),
+        ((2, 2, "ddp", 4), (2, 1, "zero2", 4)),
+        ((1, 1, "ddp", 1), (2, 2, "zero2", 4))],
+    2: [((2, 1, "zero2", 2), (1, 2, "ddp", 2)),
+        ((1, 1, "ddp", 1), (1, 2, "zero2", 2))],
+}
+
+
+def _train_part(ranks, tp, pp, kind, data, load_from=None, save_to=None):
+    """Train one epoch on the first ``ranks`` ranks in layout (tp, pp), optionally
+    resuming from and saving a checkpoint. Returns the model on those ranks."""
+    from mpishard.checkpoint import load_checkpoint, save_checkpoint
+
+    world = MPI.COMM_WORLD
+    sub = world.Split(0 if world.rank < ranks else MPI.UNDEFINED, world.rank)
+    if sub == MPI.COMM_NULL:
+        return None
+    config = ShardingConfiguration(sub, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    model = HybridShardedModel(gpt_factory(), config, micro_batches=2)
+    opt = HybridShardedOptimizer(make_opt(), config, data_parallel=kind, model=model,
+                                 max_grad_norm=0.3)
+    if load_from is not None:
+        info = load_checkpoint(load_from, model, opt)
+        assert info.step == 3 and opt.step_count == 3
+    # epochs counts from epoch 0: the reader trains the second epoch only.
+    opt.optimize(model, data, epochs=1 if load_from is None else 2, batch_size=16)
+    if save_to is not None:
+        save_checkpoint(save_to, model, opt)
+    return model
+
+
+@pytest.mark.parametrize("writer,reader",
+                         or_skipped(CONVERSIONS.get(WORLD, []), 2,
+                                    f"no layout conversion of {WORLD} ranks: run at 2, 4 or 8"),
+                         ids=lambda t: f"tp{t[0]}-pp{t[1]}-{t[2]}-on-{t[3]}")
+def test_checkpoint_across_layouts_continues(writer, reader, tmp_path_factory):
+    world = MPI.COMM_WORLD
+    folder = world.bcast(str(tmp_path_factory.mktemp("ckpt")) if world.rank == 0 else None)
+    path = f"{folder}/layout.h5"
+    data = token_data()
+    serial, ref_losses = serial_reference(gpt_factory, data, 16, 2, make_opt, max_grad_norm=0.3)
+    (wtp, wpp, wkind, wranks), (rtp, rpp, rkind, rranks) = writer, reader
+    _train_part(wranks, wtp, wpp, wkind, data, save_to=path)
+    world.Barrier()
+    model = _train_part(rranks, rtp, rpp, rkind, data, load_from=path)
+    if model is not None:     # the reader's ranks: two epochs in total, like the serial run
+        assert_shards_match(model, serial)
+    world.Barrier()
