@@ -496,12 +496,17 @@ class DataParallelCore:
         """
         model = self._require_model()
         digest = hashlib.blake2b(to_numpy(model.params).tobytes(), digest_size=16).hexdigest()
+        self._compare_digests(digest, "replicas", "parameter hash")
+
+    def _compare_digests(self, digest: str, who: str, what: str) -> None:
+        """Collective over the data-parallel group: every rank's ``(digest, step)``
+        against rank 0's; a ``CommunicationError`` on every rank naming those that differ."""
         every = self.dp.allgather((digest, self.step_count))
         if len(set(every)) > 1:
             odd = [r for r, d in enumerate(every) if d != every[0]]
             raise CommunicationError(
-                f"replicas out of sync: data-parallel rank(s) {odd} differ from rank 0 "
-                f"(parameter hash, step) = {every[0]}")
+                f"{who} out of sync: data-parallel rank(s) {odd} differ from rank 0 "
+                f"({what}, step) = {every[0]}")
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients, optimizer state and

@@ -12,7 +12,6 @@ from typing import Any
 from ..backend import to_numpy
 from ..comm import FlatComm, ulfm
 from ..comm.gather import ParameterGather
-from ..errors import CommunicationError
 from ..flat import Range, bucket_ranges, unit_ranges
 from ..protocols import BACKWARD, FORWARD, Model, ShardableModel, UnitPassModel
 from .zero2 import ZeRO2Core, ZeRO2Options
@@ -316,12 +315,7 @@ class ZeRO3Core(ZeRO2Core):
         digest = hashlib.blake2b(digest_size=16)
         for _, values in self.gather.each_bucket():
             digest.update(to_numpy(values).tobytes())
-        every = self.dp.allgather((digest.hexdigest(), self.step_count))
-        if len(set(every)) > 1:
-            odd = [r for r, d in enumerate(every) if d != every[0]]
-            raise CommunicationError(
-                f"ranks out of sync: data-parallel rank(s) {odd} differ from rank 0 "
-                f"(gathered parameter hash, step) = {every[0]}")
+        self._compare_digests(digest.hexdigest(), "ranks", "gathered parameter hash")
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: ``parameters`` (its shard), ``gathered`` (the

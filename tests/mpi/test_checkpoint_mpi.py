@@ -23,6 +23,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from layouts import assert_slices, hybrid, mlp_data, mlp_factory
 from mpi4py import MPI
 from worlds import batch_splits
 
@@ -300,48 +301,13 @@ def test_manager_at_every_rank(mpi_tmp_path):
 
 # --- tensor and pipeline parallelism: the same file format ------------------------
 
-def mlp_factory():
-    import functools
-
-    from mpishard.nn import ParallelMLP
-
-    return functools.partial(ParallelMLP, [6, 8, 8, 8, 4], activation="tanh",
-                             dtype=np.float64, seed=5)
-
-
-def mlp_data(n=48):
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((n, 6))
-    return x, np.argmax(x[:, :4] + 0.1 * rng.standard_normal((n, 4)), axis=1)
-
-
-def hybrid(tp, pp, data_parallel, seed_shift=0):
-    from mpishard.strategies import HybridShardedModel, HybridShardedOptimizer
-
-    config = ShardingConfiguration(WORLD, tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    model = HybridShardedModel(mlp_factory(), config, micro_batches=2)
-    if seed_shift:
-        model.params[...] += seed_shift          # other values: they must be loaded
-    opt = HybridShardedOptimizer(AdamW(lr=1e-2, weight_decay=0.01), config,
-                                 data_parallel=data_parallel, model=model)
-    return model, opt
-
-
-def assert_slices_equal(model, full_params, full_layout):
-    """Each local tensor of a model-parallel model is its slice of the logical tensor."""
-    for name, shard in model.tensor_shards().items():
-        local = model.layout.view(model.params, name)
-        np.testing.assert_array_equal(local, full_layout.view(full_params,
-                                                              shard.logical_name)[shard.index])
-
-
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2-pp2"])
 def test_tensor_and_pipeline_parallel_reshard(tp, pp, mpi_tmp_path):
     if WORLD.size % (tp * pp):
         pytest.skip(f"tp={tp} x pp={pp} does not divide a world of {WORLD.size}")
     folder = str(mpi_tmp_path)
     data = mlp_data()
-    model, opt = hybrid(tp, pp, "zero2")
+    model, opt = hybrid(WORLD, tp, pp, "zero2")
     opt.optimize(model, data, epochs=1, batch_size=16)
     path = save_checkpoint(os.path.join(folder, "hybrid.h5"), model, opt)
     # The file holds logical tensors: every rank's slice, its part of the state.
@@ -365,7 +331,7 @@ def test_tensor_and_pipeline_parallel_reshard(tp, pp, mpi_tmp_path):
     ddp = DDPOptimizer(AdamW(lr=1e-2, weight_decay=0.01), ShardingConfiguration(WORLD))
     info = load_checkpoint(path, whole, ddp)
     assert info.layout["strategy"] == "hybrid-zero2" and ddp.step_count == opt.step_count == 3
-    assert_slices_equal(model, whole.params, whole.layout)
+    assert_slices(model, model.params, whole.params, whole.layout)
     opt.optimize(model, data, epochs=2, batch_size=16)     # epochs is the total
     ddp.optimize(whole, data, epochs=2, batch_size=16)
     assert ddp.step_count == opt.step_count == 6
@@ -375,9 +341,9 @@ def test_tensor_and_pipeline_parallel_reshard(tp, pp, mpi_tmp_path):
                                    rtol=1e-10, atol=1e-12)
     # And back: the whole model's file into a fresh model-parallel layout (DDP inside).
     back = save_checkpoint(os.path.join(folder, "whole.h5"), whole, ddp)
-    other, other_opt = hybrid(tp, pp, "ddp", seed_shift=1.0)
+    other, other_opt = hybrid(WORLD, tp, pp, "ddp", seed_shift=1.0)
     load_checkpoint(back, other, other_opt)
-    assert_slices_equal(other, whole.params, whole.layout)
+    assert_slices(other, other.params, whole.params, whole.layout)
     for name, shard in other.tensor_shards().items():
         np.testing.assert_array_equal(
             other.layout.view(other_opt.state["exp_avg_sq"], name),

@@ -16,23 +16,21 @@ to rtol 1e-12 otherwise (other ranks sum in another order).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import h5py
 import numpy as np
 import pytest
+from layouts import assert_slices, hybrid, mlp_data, mlp_factory
 from mpi4py import MPI
 
 from mpishard import CheckpointError, ShardingConfiguration
 from mpishard.checkpoint import load_checkpoint, save_checkpoint
-from mpishard.nn import MLP, ParallelMLP
+from mpishard.nn import MLP
 from mpishard.optim import AdamW
 from mpishard.optim.schedules import CosineSchedule
 from mpishard.strategies import (
     DDPOptimizer,
-    HybridShardedModel,
-    HybridShardedOptimizer,
     ZeRO2Optimizer,
     ZeRO3Optimizer,
 )
@@ -204,36 +202,6 @@ def test_without_the_strategy_is_a_clear_error(mpi_tmp_path):
 
 
 # --- 3D layouts: the same logical tensors ---------------------------------------------
-def mlp_factory():
-    return functools.partial(ParallelMLP, [6, 8, 8, 8, 4], activation="tanh",
-                             dtype=np.float64, seed=5)
-
-
-def mlp_data(n=48):
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((n, 6))
-    return x, np.argmax(x[:, :4] + 0.1 * rng.standard_normal((n, 4)), axis=1)
-
-
-def hybrid(tp, pp, data_parallel, seed_shift=0.0):
-    config = ShardingConfiguration(WORLD, tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    model = HybridShardedModel(mlp_factory(), config, micro_batches=2)
-    if seed_shift:
-        model.params[...] += seed_shift           # other values: they must be loaded
-    opt = HybridShardedOptimizer(AdamW(lr=1e-2, weight_decay=0.01), config,
-                                 data_parallel=data_parallel, model=model,
-                                 reduce_method="reduce_scatter")
-    return model, opt
-
-
-def assert_slices(model, params, full_params, full_layout):
-    """Each local tensor of a model-parallel model is its slice of the logical tensor."""
-    for name, shard in model.tensor_shards().items():
-        np.testing.assert_allclose(model.layout.view(params, name),
-                                   full_layout.view(full_params, shard.logical_name)[shard.index],
-                                   rtol=RTOL, atol=RTOL * 1e-2)
-
-
 @pytest.mark.layout3d   # also at 8 ranks: tp2-pp2-dp2
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)],
                          ids=["tp1-pp1", "tp2", "pp2", "tp2-pp2"])
@@ -245,7 +213,7 @@ def test_3d_zero3_to_whole_zero3_and_back(tp, pp, mpi_tmp_path):
         pytest.skip(f"tp={tp} x pp={pp} does not divide a world of {WORLD.size}")
     folder = str(mpi_tmp_path)
     data = mlp_data()
-    model, opt = hybrid(tp, pp, "zero3")
+    model, opt = hybrid(WORLD, tp, pp, "zero3", reduce_method="reduce_scatter")
     opt.optimize(model, data, epochs=1, batch_size=16)
     path = save_checkpoint(os.path.join(folder, "hybrid.h5"), model, opt)
     flat = mlp_factory()()
@@ -254,18 +222,19 @@ def test_3d_zero3_to_whole_zero3_and_back(tp, pp, mpi_tmp_path):
     info = load_checkpoint(path, flat, plain)
     assert info.layout["strategy"] == "hybrid-zero3" and plain.step_count == opt.step_count == 3
     with opt.gathered_parameters() as params:
-        assert_slices(model, params, whole(plain), flat.layout)
+        assert_slices(model, params, whole(plain), flat.layout, rtol=RTOL)
     opt.optimize(model, data, epochs=2, batch_size=16)     # epochs is the total
     plain.optimize(flat, data, epochs=2, batch_size=16)
     assert plain.step_count == opt.step_count == 6
     full = whole(plain)
     with opt.gathered_parameters() as params:
-        assert_slices(model, params, full, flat.layout)
+        assert_slices(model, params, full, flat.layout, rtol=RTOL)
     back = save_checkpoint(os.path.join(folder, "whole.h5"), flat, plain)
-    other, other_opt = hybrid(tp, pp, "zero3", seed_shift=1.0)
+    other, other_opt = hybrid(WORLD, tp, pp, "zero3", seed_shift=1.0,
+                              reduce_method="reduce_scatter")
     load_checkpoint(back, other, other_opt)
     with other_opt.gathered_parameters() as params:
-        assert_slices(other, params, full, flat.layout)
+        assert_slices(other, params, full, flat.layout, rtol=RTOL)
     assert other_opt.step_count == 6 and other_opt.data_position["epoch"] == 2
     WORLD.Barrier()
 
