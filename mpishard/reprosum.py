@@ -30,7 +30,7 @@ With ``W = 38`` the last term is ``N * M * 2**-37`` for float32 (``K = 2``) and
 ``N * M * 2**-75`` for float64 (``K = 3``): per deposit, below float32 rounding
 for an element as small as ``2**-12`` of its chunk's largest. Headroom:
 ``2**(53-W) = 2**15`` deposits per element over all ranks (32768 units of work
-in one step; :class:`BinnedAccumulator` refuses more). ``tests/test_reproducible.py``
+in one step; :class:`BinnedAccumulator` refuses more). ``tests/unit/test_reprosum.py``
 checks the bound against ``math.fsum``. Chunks restart at every segment (a
 model's tensor), so a tensor's bits do not depend on where it sits in the vector.
 

@@ -7,7 +7,7 @@ deposit. The fused versions do the same integer arithmetic chunk by chunk, the
 chunk staying in the cache (in registers on a GPU): a Numba JIT on the CPU,
 CuPy ``RawKernel`` s on a GPU (a thread block per chunk, a thread per element:
 :mod:`mpishard.kernels.deposit_cuda`).
-Each gives its twin's bits, ``tests/test_kernels_deposit.py`` checks it on
+Each gives its twin's bits, ``tests/unit/test_kernels_deposit.py`` checks it on
 values over the whole float range (signed zeros, subnormals, 1e305, NaN).
 
 * :func:`deposit`: add one vector to a :class:`~mpishard.reprosum.BinnedAccumulator`
