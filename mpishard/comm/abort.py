@@ -10,6 +10,8 @@ from mpi4py import MPI
 __all__ = ["install_abort_hook"]
 
 _installed: list = []
+#: The communicator of the newest configuration: the hook names its ranks.
+_current: list = []
 
 
 def install_abort_hook(comm) -> None:
@@ -23,13 +25,16 @@ def install_abort_hook(comm) -> None:
 
     Without it, one rank's exception leaves the others waiting in the next
     collective until the job's time limit. The hook chains to the previous
-    ``sys.excepthook`` only for the printing; installing it twice is harmless.
+    ``sys.excepthook`` only for the printing; installing it again only makes
+    ``comm`` the one it names (the newest configuration's).
     """
+    _current[:] = [comm]
     if _installed:
         return
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):
+        comm = _current[0]
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         world = MPI.COMM_WORLD.Get_size()
         if comm.size > 1 or world > 1:

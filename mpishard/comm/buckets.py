@@ -52,7 +52,8 @@ class GradientBuckets:
     calls (the reductions are collective over the strategy's group).
 
     Args:
-        ranges: bucket world ranges, highest offsets first.
+        ranges: bucket world ranges, highest offsets first; none for a layout
+            with no parameters (every call then reduces nothing).
         reduce: how the strategy reduces one bucket (see :data:`Reduce`).
         slots: number of buffers the buckets rotate through (0: none; each
             bucket's source is a slice of :attr:`vector`).
@@ -67,8 +68,6 @@ class GradientBuckets:
     """
 
     def __init__(self, ranges: Sequence[Range], reduce: Reduce, slots: int = 0) -> None:
-        if not ranges:
-            raise ValueError("expecting at least one bucket, got none")
         if slots < 0:
             raise ValueError(f"expecting slots >= 0, got {slots}")
         self.ranges = list(ranges)
@@ -115,6 +114,12 @@ class GradientBuckets:
     def index_of(self, offset: int) -> int:
         """The bucket holding world offset ``offset``."""
         return bisect.bisect_left(self._neg_starts, -offset)
+
+    @property
+    def largest(self) -> int:
+        """Elements of the longest bucket; 0 without buckets (a layout with no
+        parameters, such as a pipeline stage of activations only)."""
+        return max((len(r) for r in self.ranges), default=0)
 
     @property
     def launched_all(self) -> bool:

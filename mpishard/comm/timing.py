@@ -14,7 +14,7 @@ from typing import Any
 
 from .communicator import FlatComm
 
-__all__ = ["reduce_once", "time_alternatives"]
+__all__ = ["agree_on_fastest", "reduce_once", "time_alternatives"]
 
 
 def time_alternatives(group: FlatComm, ways: dict[str, Callable[[], Any]],
@@ -34,6 +34,24 @@ def time_alternatives(group: FlatComm, ways: dict[str, Callable[[], Any]],
             if round_:
                 best[way] = min(best[way], time.perf_counter() - t0)
     return {way: group.allreduce_scalar(best[way], op="max") for way in ways}
+
+
+def agree_on_fastest(group: FlatComm, times: dict[str, Any], ways: tuple[str, ...],
+                     default: str) -> str:
+    """The way that is fastest by the slowest of ``group``'s measurements, the same
+    on every rank, or ``default`` where no rank measured any.
+
+    For a choice that several groups measure separately but must make alike (the
+    data-parallel groups of a 3D layout hold copies of the replicated tensors: a
+    different order of addition on another tensor rank would let the copies
+    drift). A rank that measured nothing passes an empty ``times``. Collective
+    over ``group``.
+    """
+    slowest = {way: group.allreduce_scalar(float(times.get(way) or 0.0), op="max")
+               for way in ways}
+    if not any(slowest.values()):
+        return default
+    return min(ways, key=lambda way: (slowest[way], way))
 
 
 def reduce_once(comm: Any, kind: str, blocking: bool, buf: Any, recv: Any,

@@ -50,10 +50,14 @@ class DataParallelOptions:
         accumulation_steps: micro-batches per step; only the last communicates (DDP).
         max_grad_norm: clip by the global gradient norm (None: no clipping).
         schedule: ``step -> factor`` of the learning rate.
-        overlap: start bucket reductions during the backward (library models
-            only); ``"auto"``: during or after it, whichever a
-            stand-in backward measured faster at attach
-            (:mod:`mpishard.parallel.overlap`; ``overlap_timings``, ``bucketed``).
+        overlap: ``"auto"`` (DDP's default): reduce gradient buckets during
+            the backward or after it, whichever a stand-in backward measured
+            faster at attach (:mod:`mpishard.parallel.overlap`;
+            ``overlap_timings``, ``bucketed``); True (ZeRO's default, see
+            :class:`~mpishard.parallel.zero2.ZeRO2Options`): during it (library
+            models only); False: after it. The two ways may add in a different
+            order on 3 or more ranks: pin one where two runs must agree bit for
+            bit, or train with ``ShardingConfiguration(reproducible=True)``.
         nonfinite: ``"error"`` (a NaN or infinite loss or gradient norm raises
             :class:`~mpishard.errors.NonFiniteError` on every rank) or ``"skip"``
             (no update on any rank; counted in ``skipped_steps``).
@@ -63,7 +67,7 @@ class DataParallelOptions:
     accumulation_steps: int = 1
     max_grad_norm: float | None = None
     schedule: Callable[[int], float] | None = None
-    overlap: bool | str = True
+    overlap: bool | str = "auto"
     nonfinite: str = "error"
 
     def __post_init__(self) -> None:

@@ -19,10 +19,12 @@ class DDPCore(DataParallelCore):
     Every data-parallel rank holds the full parameters, gradients and optimizer
     state and applies the same update, so the replicas stay identical. The
     gradient vector is cut into buckets of whole layers (``bucket_mb`` MiB) in
-    backward order; with the library's models each bucket's non-blocking
-    ``Iallreduce`` starts as soon as the backward pass has written it
+    backward order; with the library's models and ``overlap=True`` each bucket's
+    non-blocking ``Iallreduce`` starts as soon as the backward pass has written it
     (:class:`~mpishard.comm.buckets.GradientBuckets`), so communication overlaps
-    the rest of the backward. Each rank's gradient is weighted by its rows, and
+    the rest of the backward (``overlap="auto"``, the default, does so where a
+    stand-in backward measured it faster at attach; otherwise the buckets are
+    reduced after the backward). Each rank's gradient is weighted by its rows, and
     averaging (1/rows of the global batch) and any clipping are folded into the
     optimizer's update, so they cost no extra pass.
 
@@ -53,8 +55,10 @@ class DDPCore(DataParallelCore):
         # the nodes, then across) where that measured faster at this bucket size.
         self._release()   # attached before
         self.reduction_timings: dict[str, Any] = {}
-        self.reducer = self.dp if self.config.reproducible else choose_reduction(
-            self.dp, max(len(b) for b in self.buckets.ranges), dtype, xp,
+        # (Without buckets, a stage with no parameters, there is nothing to measure.)
+        largest = self.buckets.largest
+        self.reducer = self.dp if self.config.reproducible or not largest else choose_reduction(
+            self.dp, largest, dtype, xp,
             blocking=not self.bucketed, nodes=self.config.groups.nodes,
             record=self.reduction_timings)
 

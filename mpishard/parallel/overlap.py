@@ -77,14 +77,16 @@ def choose_overlap(dp: FlatComm, agree: FlatComm, ranges: list[Range], dtype: An
         if record is not None:
             record.update(info)
         return False
+    # A layout without parameters (a pipeline stage of activations only) has no
+    # buckets: its ranks still take part in every agreement, measuring nothing.
     probe = ranges[:PROBE_BUCKETS]
-    bottom = probe[-1].start
+    bottom = probe[-1].start if probe else 0
     local = [r.shift(bottom) for r in probe]
     buckets = GradientBuckets(local, _reducer(dp, local, kind, dtype, xp), slots=slots)
     if slots:
         buckets.allocate(xp, dtype)
     else:
-        buckets.vector = xp.zeros(probe[0].stop - bottom, dtype=dtype)
+        buckets.vector = xp.zeros(probe[0].stop - bottom if probe else 0, dtype=dtype)
     a = xp.full((_KERNEL, _KERNEL), 1.0 / _KERNEL, dtype=dtype)
     out = xp.empty_like(a)
 

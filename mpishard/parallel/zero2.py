@@ -7,7 +7,7 @@ from typing import Any
 
 from ..comm import FlatComm, Handle
 from ..comm.hierarchical import choose as choose_reduction
-from ..comm.timing import reduce_once, time_alternatives
+from ..comm.timing import agree_on_fastest, reduce_once, time_alternatives
 from ..errors import MpiShardError
 from ..flat import Range, shard_ranges
 from ..protocols import Model
@@ -38,8 +38,15 @@ class ZeRO2Options(DataParallelOptions):
             own from before the update (:class:`~mpishard.recovery.ShardBuddy`),
             so a rank lost at any point of a step is recovered exactly; False: a
             lost shard rolls back to the newest checkpoint.
+        overlap: as :class:`~mpishard.parallel.base.DataParallelOptions`', but
+            True by default: reducing after the backward needs the whole
+            gradient, which the bucketed backward never holds (two bucket
+            buffers and the shard instead), so ``"auto"`` could trade ZeRO's
+            gradient memory for a timing. Pass ``"auto"`` to let it.
     """
 
+    # (Redefined with ZeRO's default; a dataclass field keeps its place.)
+    overlap: bool | str = True
     reduce_method: str = "auto"
     buddy_copies: bool = True
 
@@ -116,16 +123,25 @@ class ZeRO2Core(DataParallelCore):
             model.set_backward_hooks(buckets)
         else:
             buckets.vector = model.grads
-        if self.reduce_method == "auto":   # chosen once: a rebuild keeps the choice
-            self.reduce_method = choose_reduce_method(
-                dp, max(len(b) for b in buckets.ranges), dtype, xp, self.reduce_timings,
-                blocking=not self.bucketed)
+        # Without buckets (a stage with no parameters) nothing is reduced: nothing
+        # to measure. Every rank of the data group holds the same layout.
+        largest = buckets.largest
+        if self.reduce_method == "auto":   # chosen once: a rebuild keeps it
+            # Measured over this data group, chosen alike over the whole job (every
+            # data group of a 3D layout adds the replicated tensors' copies the same
+            # way); a stage without buckets measures nothing but takes part.
+            if largest:
+                choose_reduce_method(dp, largest, dtype, xp, self.reduce_timings,
+                                     blocking=not self.bucketed)
+            self.reduce_method = agree_on_fastest(
+                self.config.groups.world, self.reduce_timings, REDUCE_METHODS,
+                "reduce_scatter")
         # That reduction over the data group, or in two levels (inside the nodes,
         # then across) where that measured faster at this bucket size.
         self._release()   # attached before
         self.reduction_timings: dict[str, Any] = {}
-        self.reducer = dp if self.config.reproducible else choose_reduction(
-            dp, max(len(b) for b in buckets.ranges), dtype, xp,
+        self.reducer = dp if self.config.reproducible or not largest else choose_reduction(
+            dp, largest, dtype, xp,
             kind="allreduce" if self.reduce_method == "allreduce" else "reduce_scatter",
             blocking=not self.bucketed, nodes=self.config.groups.nodes,
             record=self.reduction_timings)

@@ -68,7 +68,9 @@ class ZeRO3Core(ZeRO2Core):
     A model without those hooks (a :class:`~mpishard.nn.FunctionModel`, a
     user's model) keeps its whole parameter vector and is trained as ZeRO-2
     does (the vector is ``Allgatherv``-ed after the update, so it is current
-    whenever it is read); only its gradients and state are sharded.
+    whenever it is read); only its gradients and state are sharded. So does a
+    model without parameters (a pipeline stage of activations only): its empty
+    vector is all there is, and there is nothing to gather.
 
     While a model is attached, its ``params`` is None and its ``forward`` is
     collective over ``groups.dp`` (every rank gathers each bucket):
@@ -110,8 +112,11 @@ class ZeRO3Core(ZeRO2Core):
             MpiShardError: the parameter count or dtype differs between ranks.
         """
         super().attach(model)
-        if not isinstance(model, ShardableModel):
-            return              # ZeRO-2's parameters: the model keeps its vector
+        if not isinstance(model, ShardableModel) or self.layout.size == 0:
+            # ZeRO-2's parameters: the model keeps its vector. (A pipeline stage of
+            # activations only has nothing to gather; every rank of its data group
+            # holds the same stage, so all of them skip the gathers alike.)
+            return
         self._units = unit_ranges(self.layout)
         self._shard_store = self.xp.empty(len(self.shard), dtype=self.dtype)
         self.gather_comm = self.dp.dup(f"{self.dp.name} (parameter gathers)")

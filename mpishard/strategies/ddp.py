@@ -14,8 +14,9 @@ __all__ = ["DDPOptimizer"]
 
 class DDPOptimizer(Strategy):
     """Distributed data parallel: every rank holds the whole model and optimizer
-    state; gradients are summed with ``Allreduce`` in buckets that start during the
-    backward (:class:`~mpishard.parallel.DDPCore`).
+    state; gradients are summed with ``Allreduce`` in buckets, during the backward
+    or after it (``overlap="auto"``, the default: whichever measured faster at
+    attach) (:class:`~mpishard.parallel.DDPCore`).
 
     Args:
         optimizer: the update rule (:mod:`mpishard.optim`).

@@ -3,7 +3,8 @@
 Runs in the fault-tolerant runtime (``.venv-ft``; elsewhere it skips, saying why).
 Each strategy is built with options that are not the defaults (bucket size,
 accumulation, clipping, the non-finite policy, overlap, the learning-rate
-schedule; ZeRO-2's reduce method and buddy copies), a rank SIGKILLs itself in the
+schedule; ZeRO-2's reduce method and buddy copies; ZeRO-3's prefetch, keep_gathered
+and gather size), a rank SIGKILLs itself in the
 forward of step 3, and the survivors go on in place (:mod:`mpishard.recovery`,
 through ``core.rebuild(config)``). The test reads the options back after the
 recovery, from the options record and from the attributes the core uses, and checks
@@ -31,7 +32,7 @@ from mpishard.nn import MLP, ParallelMLP
 from mpishard.optim import Adam
 from mpishard.optim.schedules import CosineSchedule
 from mpishard.strategies import (DDPOptimizer, ElasticOptimizer, HybridShardedModel,
-                                 HybridShardedOptimizer, ZeRO2Optimizer)
+                                 HybridShardedOptimizer, ZeRO2Optimizer, ZeRO3Optimizer)
 
 KIND, VICTIM = {kind!r}, {victim}
 rank = MPI.COMM_WORLD.rank
@@ -39,8 +40,10 @@ config = ShardingConfiguration(MPI.COMM_WORLD, timeout=60, fault_tolerance="ulfm
                                pipeline_parallel_size=2 if KIND == "hybrid" else 1)
 options = dict(bucket_mb=0.0007, accumulation_steps=2, max_grad_norm=7.5, nonfinite="skip",
                overlap=False, schedule=CosineSchedule(total_steps=40, warmup_steps=2))
-if KIND in ("zero2", "hybrid"):   # a 3D layout needs the copies to drop a replica
+if KIND in ("zero2", "zero3", "hybrid"):   # a 3D layout needs the copies to drop a replica
     options.update(reduce_method="allreduce", buddy_copies=KIND == "hybrid")
+if KIND == "zero3":
+    options.update(prefetch=False, keep_gathered=True, gather_mb=0.0005)
 if KIND == "hybrid":
     model = HybridShardedModel(functools.partial(ParallelMLP, [5, 16, 16, 3], activation="tanh",
                                                  dtype=np.float64), config)
@@ -51,8 +54,8 @@ else:
     if KIND == "elastic":
         opt = ElasticOptimizer(Adam(lr=1e-2), config, strategy="ddp", **options)
     else:
-        opt = {{"ddp": DDPOptimizer, "zero2": ZeRO2Optimizer}}[KIND](Adam(lr=1e-2), config,
-                                                                 model=model, **options)
+        opt = {{"ddp": DDPOptimizer, "zero2": ZeRO2Optimizer,
+                "zero3": ZeRO3Optimizer}}[KIND](Adam(lr=1e-2), config, model=model, **options)
 before = opt.core.options
 rng = np.random.default_rng(0)
 X, Y = rng.standard_normal((96, 5)), rng.integers(0, 3, 96)
@@ -81,7 +84,7 @@ if core.config.world.rank == 0:
 ulfm.leave(0)
 """
 
-CASES = {"ddp": (3, 1), "zero2": (3, 2), "elastic": (3, 0), "hybrid": (4, 3)}
+CASES = {"ddp": (3, 1), "zero2": (3, 2), "zero3": (3, 2), "elastic": (3, 0), "hybrid": (4, 3)}
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))
@@ -99,6 +102,6 @@ def test_every_constructor_option_survives_a_recovery(tmp_path, kind):
     # 96 rows in batches of 24: 4 steps an epoch, 2 epochs, none refused.
     assert result["steps"] == 8, result
     expected = {"ddp": "survivor", "elastic": "survivor", "zero2": "checkpoint",
-                "hybrid": "replica"}[kind]
+                "zero3": "checkpoint", "hybrid": "replica"}[kind]
     assert result["recoveries"] == [expected], result
     assert "Traceback" not in out, out

@@ -64,6 +64,25 @@ def test_uncaught_exception_names_world_rank_host_and_group_rank():
     assert "Traceback (most recent call last)" in out and "line 11, in <module>" in out
 
 
+def test_the_abort_names_the_newest_configurations_ranks():
+    """A 1-rank configuration first (a serial reference), then one over both ranks:
+    an uncaught exception names the ranks of the newest one (before, the first
+    configuration's: 'not only the 1 that train' where both trained)."""
+    code, out, seconds = mpirun(2, """
+        from mpi4py import MPI
+        from mpishard import ShardingConfiguration
+        ShardingConfiguration(MPI.COMM_SELF)
+        config = ShardingConfiguration(MPI.COMM_WORLD)
+        if MPI.COMM_WORLD.rank == 1:
+            raise ValueError("bad input")
+        config.world.barrier()
+    """, timeout=120, quiet=True)
+    assert code != 0 and seconds < 45, (code, seconds, out)
+    assert ("(rank 1 of the training group): uncaught ValueError: bad input; MPI_Abort "
+            "ends all 2 processes of MPI.COMM_WORLD (") in out, out
+    assert "not only" not in out, out
+
+
 @pytest.mark.timing      # ShardingConfiguration(timeout=2) over ranks that all arrive
 def test_without_abort_the_waiting_rank_raises_and_the_simulation_goes_on():
     """abort_on_exception=False: the failing rank sees its own exception, the rank

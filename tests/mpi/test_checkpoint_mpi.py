@@ -301,6 +301,7 @@ def test_manager_at_every_rank(mpi_tmp_path):
 
 # --- tensor and pipeline parallelism: the same file format ------------------------
 
+@pytest.mark.layout3d   # also at 8 ranks: tp2 x dp4 (the replicated copies kept equal)
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2-pp2"])
 def test_tensor_and_pipeline_parallel_reshard(tp, pp, mpi_tmp_path):
     if WORLD.size % (tp * pp):

@@ -195,3 +195,37 @@ def test_checkpoint_across_layouts_continues(writer, reader, tmp_path_factory):
     if model is not None:     # the reader's ranks: two epochs in total, like the serial run
         assert_shards_match(model, serial)
     world.Barrier()
+
+
+def test_data_groups_agree_on_the_reduce_method(monkeypatch):
+    """ZeRO-2's reduce_method='auto' is measured in each data group but chosen alike
+    over the job: the tensor ranks' data groups hold copies of the replicated
+    tensors (biases, norms), which must stay equal bit for bit. The measurement is
+    made to favour another method on each tensor rank (before, each group took its
+    own: at tp2 x dp4 the copies drifted by an ulp a step)."""
+    if WORLD % 2:
+        pytest.skip(f"a tensor-parallel size of 2 does not divide a world of {WORLD}")
+    from layouts import hybrid, mlp_data
+
+    import mpishard.parallel.zero2 as zero2
+
+    tp = ShardingConfiguration(MPI.COMM_WORLD, tensor_parallel_size=2).groups.coordinates.tp
+    real = zero2.time_alternatives
+
+    def skewed(group, ways, repeats):
+        times = real(group, ways, repeats)
+        favoured = "allreduce" if tp == 0 else "reduce_scatter"
+        return {way: (1.0 if way == favoured else 2.0) for way in times}
+
+    monkeypatch.setattr(zero2, "time_alternatives", skewed)
+    model, opt = hybrid(MPI.COMM_WORLD, 2, 1, "zero2")
+    opt.optimize(model, mlp_data(), epochs=2, batch_size=16)
+    every = MPI.COMM_WORLD.allgather(opt.core.reduce_method)
+    assert len(set(every)) == 1, every
+    # The replicated tensors (whole on every tensor rank) are equal on both tensor ranks.
+    whole = sorted(name for name, shard in model.tensor_shards().items() if shard.replicated)
+    mine = [model.layout.view(model.params, name).copy() for name in whole]
+    other = model.config.groups.tp.bcast(mine, root=0)
+    assert whole
+    for name, a, b in zip(whole, mine, other):
+        np.testing.assert_array_equal(a, b, err_msg=name)

@@ -16,10 +16,11 @@ from worlds import batch_splits
 
 import mpishard.parallel.base as base
 from mpishard import ShardingConfiguration
+from mpishard.flat import bucket_ranges
 from mpishard.nn import MLP
 from mpishard.optim import Adam
 from mpishard.parallel.overlap import choose_overlap
-from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer
+from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer, ZeRO3Optimizer
 
 pytestmark = pytest.mark.mpi
 
@@ -86,3 +87,41 @@ def test_auto_reproducible_and_bad_value():
     assert dist.overlap_timings == {"choice": False, "reason": "reproducible mode"}
     with pytest.raises(ValueError, match="overlap must be True, False or 'auto', got 'yes'"):
         DDPOptimizer(Adam(lr=1e-3), ShardingConfiguration(comm), overlap="yes")
+
+
+def test_auto_with_a_data_group_without_buckets():
+    # A pipeline stage of activations only has no gradient buckets: its ranks still
+    # take part in every agreement over the world (measuring nothing) and choose as
+    # the others do. (Before: an IndexError on that stage, the others waiting.)
+    world = MPI.COMM_WORLD
+    if world.size < 4 or world.size % 2:
+        pytest.skip(f"two stages of 2 or more data-parallel ranks each need an even world "
+                    f"of 4 or more ranks, not {world.size}")
+    config = ShardingConfiguration(world, pipeline_parallel_size=2, timeout=60)
+    groups = config.groups
+    model = MLP(SIZES, dtype=np.float64)
+    ranges = bucket_ranges(model.layout, 20) if groups.coordinates.pp == 0 else []
+    record = {}
+    choice = choose_overlap(groups.dp, groups.world, ranges, np.float64, np, record=record)
+    assert record["buckets"] == min(4, len(ranges))
+    assert len(ranges) == (3 if groups.coordinates.pp == 0 else 0)   # one bucket a layer
+    every = world.allgather((choice, record["during"], record["after"]))
+    assert len(set(every)) == 1, every
+
+
+def test_defaults_ddp_measures_zero_overlaps():
+    # Issue 21, finding 5.2: DDP's default is the measured choice; ZeRO-2 and ZeRO-3
+    # keep reducing during the backward (their gradient memory needs it).
+    comm = MPI.COMM_WORLD
+    ddp = DDPOptimizer(Adam(lr=1e-3), ShardingConfiguration(comm), bucket_mb=1e-4,
+                       model=MLP(SIZES, dtype=np.float64, seed=1))
+    if comm.size == 1:
+        assert ddp.bucketed is False and "one rank" in ddp.overlap_timings["reason"]
+    else:
+        timings = ddp.overlap_timings
+        assert timings["during"] > 0 and timings["after"] > 0
+        assert ddp.bucketed is timings["choice"]
+    for cls in (ZeRO2Optimizer, ZeRO3Optimizer):
+        zero = cls(Adam(lr=1e-3), ShardingConfiguration(comm), bucket_mb=1e-4,
+                   model=MLP(SIZES, dtype=np.float64, seed=1))
+        assert zero.bucketed is True and zero.overlap_timings == {}, cls.__name__

@@ -135,9 +135,10 @@ def test_unequal_batches_match_one_process(comm, strategy, opt_name, mode):
     ref, ref_losses, ref_norms = serial_reference(make_mlp, make_opt)
     assert ref_norms.min() > MAX_NORM          # clipping is active on every step
     model = make_mlp()
-    # Tiny buckets: each layer its own bucket, so the overlapped path runs.
+    # Tiny buckets: each layer its own bucket, and the overlapped path runs (pinned:
+    # DDP's default "auto" may choose the other).
     dist = STRATEGIES[strategy](make_opt(), ShardingConfiguration(comm), bucket_mb=1e-4,
-                                max_grad_norm=MAX_NORM,
+                                max_grad_norm=MAX_NORM, overlap=True,
                                 accumulation_steps=2 if mode == "accumulation" else 1,
                                 model=model)
     losses = train(dist, comm, mode)

@@ -18,6 +18,7 @@ import math
 import numpy as np
 import pytest
 from mpi4py import MPI
+from worlds import written_for
 
 from mpishard import ShardingConfiguration
 from mpishard.nn import GPT, MLP, FunctionModel, ParallelMLP
@@ -64,7 +65,8 @@ def token_batch(step, n=ROWS):
 
 
 def my_rows(size, rank, step):
-    counts = [COUNTS[size][(r + step) % size] for r in range(size)]
+    base = written_for(COUNTS, size, "the unequal pieces (COUNTS)")
+    counts = [base[(r + step) % size] for r in range(size)]
     lo = sum(counts[:rank])
     return lo, lo + counts[rank]
 
@@ -364,7 +366,8 @@ def test_hybrid_matches_one_process(layout, kind, schedule):
     # Unequal replicas' rows (even, for the two micro-batches): 2 ranks 10 and 14.
     # A replica without rows (steps 1 and 3 at 2 and 4 replicas) makes no pass
     # and joins its stage's gathers in the schedule's order.
-    counts = {1: [24], 2: [10, 14], 4: [6, 4, 8, 6], 8: [2, 4, 6, 2, 4, 2, 2, 2]}[group.size]
+    counts = written_for({1: [24], 2: [10, 14], 3: [6, 8, 10], 4: [6, 4, 8, 6],
+                          8: [2, 4, 6, 2, 4, 2, 2, 2]}, group.size, "the replicas' rows")
     empty = {2: [0, 24], 4: [6, 0, 10, 8]}
     for step in range(5):
         x, y = batch(step)

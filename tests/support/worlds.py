@@ -9,14 +9,23 @@ world size), so every rank skips alike and none waits in a collective for anothe
   over the world's ranks x ``micro_batches`` (a strategy refuses any other);
 * ``@world_multiple_of(size, what)``: a model-parallel group of ``size`` ranks
   (``tensor_parallel_size * pipeline_parallel_size``) tiles the world.
+
+Inside a test, :func:`written_for` reads a table written for some group sizes
+(unequal row counts by size, say) and skips at the others: every rank of the
+group reads it at the same point with the same size, so all of them skip alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TypeVar
+
 import pytest
 from mpi4py import MPI
 
-__all__ = ["batch_splits", "world_multiple_of"]
+__all__ = ["batch_splits", "world_multiple_of", "written_for"]
+
+T = TypeVar("T")
 
 
 def batch_splits(rows: int, micro_batches: int = 1) -> pytest.MarkDecorator:
@@ -35,3 +44,11 @@ def world_multiple_of(size: int, what: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(
         world % size != 0,
         reason=f"{what} needs a world of a multiple of {size} ranks, not {world}")
+
+
+def written_for(table: Mapping[int, T], size: int, what: str) -> T:
+    """``table[size]``, or skip saying for which sizes ``what`` is written (call it
+    where every rank of a group of ``size`` ranks reads it)."""
+    if size not in table:
+        pytest.skip(f"{what}: written for groups of {sorted(table)} ranks, not {size}")
+    return table[size]

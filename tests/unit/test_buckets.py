@@ -103,8 +103,33 @@ def test_slots_wait_for_the_bucket_two_earlier():
         np.testing.assert_array_equal(reduce.sources[j], reference.grads[r.start:r.stop])
 
 
+@pytest.mark.parametrize("slots", [0, 2])
+def test_no_buckets_reduce_nothing(slots):
+    # A layout without parameters (a pipeline stage of activations only, issue 21):
+    # no ranges, every call a no-op, empty slot buffers. (Before: a ValueError.)
+    layout = ParamLayout([])
+    reduce = Recorder()
+    buckets = GradientBuckets(bucket_ranges(layout, 5), reduce, slots=slots)
+    assert buckets.ranges == [] and buckets.largest == 0 and buckets.launched_all
+    if slots:
+        buckets.allocate(np, np.float64)
+        assert [len(b) for b in buckets.buffers] == [0, 0]
+        assert buckets.gradient_views(layout) is not None
+    else:
+        buckets.vector = np.zeros(0)
+    for launch in (True, False):
+        buckets.begin(launch)
+        assert buckets.launched_all
+        buckets.flush(zero=True)
+        buckets.wait()
+    assert reduce.log == [] and buckets.seconds == 0.0
+
+
+def test_largest():
+    ranges = [Range(7, 12), Range(4, 7), Range(0, 4)]
+    assert GradientBuckets(ranges, Recorder()).largest == 5
+
+
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="at least one bucket"):
-        GradientBuckets([], Recorder())
     with pytest.raises(ValueError, match="no slots"):
         GradientBuckets([Range(0, 2)], Recorder()).allocate(np, np.float64)
