@@ -80,6 +80,13 @@ class ShardingConfiguration:
             data-parallel size dividing that works (1, 2, 3, 4, 6, 8, 12, 24
             when 24 divides ``B``). A dataset's short last batch of an epoch
             (``drop_last=False``) runs in units of one row.
+        reproducible_sizes: in reproducible mode, the data-parallel sizes (times
+            the gradient-accumulation steps) whose bits must agree, such as
+            ``(1, 2, 4)``: a global batch of ``B`` rows is then cut into
+            ``gcd(B, lcm(sizes))`` units instead of ``gcd(B, 24)``. Fewer, larger
+            units cost less (one forward/backward and one gradient per unit on
+            each rank: at the largest size each rank computes one unit); other
+            sizes are refused when they cut a unit. ``None``: all divisors of 24.
         fault_tolerance: ``"auto"`` (default): where the job runs under Open MPI 5
             started with ``mpirun --with-ft ulfm``, the groups return errors
             (``mpi4py.MPI.Exception``) when a rank dies instead of ending the job,
@@ -94,8 +101,9 @@ class ShardingConfiguration:
     Raises:
         TopologyError: sizes that do not divide the communicator's size, or a
             tensor group that would cross nodes; on every rank.
-        ValueError: ``unit_rows`` not a positive integer or None; a timeout that
-            is not positive seconds or None.
+        ValueError: ``unit_rows`` not a positive integer or None;
+            ``reproducible_sizes`` not positive integers or given with ``unit_rows``;
+            a timeout that is not positive seconds or None.
     """
 
     comm: Any = None
@@ -107,6 +115,7 @@ class ShardingConfiguration:
     allow_tensor_across_nodes: bool = False
     reproducible: bool = False
     unit_rows: int | None = None
+    reproducible_sizes: tuple[int, ...] | None = None
     fault_tolerance: str = "auto"
     evict_stuck: bool = False
     data_timeout: float | str | None = "timeout"
@@ -122,6 +131,8 @@ class ShardingConfiguration:
                 raise ValueError(f"unit_rows must be a positive integer or None, "
                                  f"got {self.unit_rows!r}")
             self.unit_rows = int(self.unit_rows)   # np.int64(48) -> 48
+        if self.reproducible_sizes is not None:
+            self.reproducible_sizes = _sizes(self.reproducible_sizes, self.unit_rows)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
@@ -212,3 +223,24 @@ def _construction(given: bool, size: int) -> str:
     return (f"ShardingConfiguration() over MPI.COMM_WORLD (no comm= given), which every one "
             f"of its {size} ranks must call; where other ranks do other work (a "
             f"simulation), pass comm= the communicator of the ranks that train")
+
+
+def _sizes(sizes: Any, unit_rows: int | None) -> tuple[int, ...]:
+    """``reproducible_sizes`` as a tuple of ints.
+
+    Raises:
+        ValueError: not a non-empty sequence of positive integers, or given with
+            ``unit_rows`` (which fixes the units itself).
+    """
+    try:
+        values = list(sizes)
+    except TypeError:
+        values = None
+    if not values or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                             and v >= 1 for v in values):
+        raise ValueError(f"reproducible_sizes must be data-parallel sizes (positive "
+                         f"integers) such as (1, 2, 4), got {sizes!r}")
+    if unit_rows is not None:
+        raise ValueError(f"give unit_rows ({unit_rows}) or reproducible_sizes "
+                         f"({tuple(int(v) for v in values)}), not both: each sets the units")
+    return tuple(int(v) for v in values)

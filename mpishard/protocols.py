@@ -42,6 +42,7 @@ __all__ = [
     "ParameterHooks",
     "ShardableModel",
     "StrategyCore",
+    "UnitPassModel",
 ]
 
 #: The passes a :class:`ParameterHooks` object is told about: a training forward
@@ -168,6 +169,31 @@ class ShardableModel(Protocol):
     def bind_parameters(self, view: Callable[[str], Any], params: Any = None) -> None: ...
 
     def set_parameter_hooks(self, hooks: ParameterHooks | None) -> None: ...
+
+
+@runtime_checkable
+class UnitPassModel(Protocol):
+    """A model that runs several units of reproducible mode in one pass, each
+    unit's gradient alone (:class:`~mpishard.parallel.HybridShardedModel`: the
+    units are the micro-batches of one pass of its pipeline schedule).
+
+    * ``micro_batches``: the most units a pass runs.
+    * ``forward_backward_units(xs, ys, losses, contexts, loss_scale,
+      before_backward, after_backward)``: unit ``i`` is ``(xs[i], ys[i])``, its
+      batch context ``contexts[i]`` (as ``set_batch_context``'s arguments; None:
+      none); no backward accumulates: between ``after_backward(i)`` and the next
+      unit's ``before_backward`` the model's gradient is unit ``i``'s alone, of
+      ``loss_scale`` times its mean loss; ``losses[i]`` receives that mean.
+    """
+
+    micro_batches: int
+
+    def forward_backward_units(self, xs: list[Any], ys: list[Any], losses: Any, *,
+                               contexts: list[tuple[int, int, int]] | None = None,
+                               loss_scale: float = 1.0,
+                               before_backward: Callable[[int], None] | None = None,
+                               after_backward: Callable[[int], None] | None = None
+                               ) -> None: ...
 
 
 @runtime_checkable

@@ -30,7 +30,7 @@ With ``W = 38`` the last term is ``N * M * 2**-37`` for float32 (``K = 2``) and
 ``N * M * 2**-75`` for float64 (``K = 3``): per deposit, below float32 rounding
 for an element as small as ``2**-12`` of its chunk's largest. Headroom:
 ``2**(53-W) = 2**15`` deposits per element over all ranks (32768 units of work
-in one step; :class:`BinnedAccumulator` refuses more). ``tests/test_reproducible.py``
+in one step; :class:`BinnedAccumulator` refuses more). ``tests/unit/test_reprosum.py``
 checks the bound against ``math.fsum``. Chunks restart at every segment (a
 model's tensor), so a tensor's bits do not depend on where it sits in the vector.
 
@@ -56,6 +56,8 @@ __all__ = [
     "NORM_WORD_BITS",
     "WORD_BITS",
     "BinnedAccumulator",
+    "ChunkGrid",
+    "ScalarSum",
     "bin_of",
     "fixed_bin_sum",
     "shift_words",
@@ -178,6 +180,102 @@ def _scale(t: Any, bins: Any, per_bin: int, offset: int) -> None:
         xp.ldexp(t, exponent[:, None], out=t)
 
 
+class ChunkGrid:
+    """Where the chunks of a vector cut into segments lie: chunk ``c`` of a segment
+    is its elements ``[c * chunk, (c + 1) * chunk)``, the last one shorter, in the
+    order of the segments. Pure arithmetic, made once.
+
+    Attributes:
+        starts: int64 array, the first element of every chunk (vector index).
+        lengths: int64 array, the elements of every chunk (``chunk`` but a
+            segment's last).
+        size: the elements of the vector.
+    """
+
+    def __init__(self, segments: Sequence[int], chunk: int = CHUNK) -> None:
+        #: The segments' lengths, as given.
+        self.segments = [int(v) for v in segments]
+        starts, lengths, pos = [], [], 0
+        for length in (int(v) for v in segments):
+            if length:
+                a = np.arange(0, length, chunk, dtype=np.int64)
+                starts.append(pos + a)
+                lengths.append(np.minimum(chunk, length - a))
+            pos += length
+        empty = np.zeros(0, dtype=np.int64)
+        self.starts = np.concatenate(starts) if starts else empty
+        self.lengths = np.concatenate(lengths) if lengths else empty
+        self.chunk = chunk
+        self.size = pos
+        #: Working space a kernel keeps with the grid (mpishard.kernels.deposit).
+        self.kernel_scratch: dict[Any, Any] = {}
+
+    def floor(self, index: int) -> int:
+        """The first element of the chunk holding element ``index`` (``size`` past the end)."""
+        if index >= self.size:
+            return self.size
+        return int(self.starts[np.searchsorted(self.starts, index, side="right") - 1])
+
+    def ceil(self, index: int) -> int:
+        """The smallest chunk boundary at or after ``index``."""
+        start = self.floor(index)
+        if start == index or index >= self.size:
+            return min(index, self.size)
+        c = int(np.searchsorted(self.starts, start))
+        return start + int(self.lengths[c])
+
+    def span(self, lo: int, hi: int) -> tuple[Any, Any]:
+        """The chunks of ``[lo, hi)`` (chunk boundaries both): their starts, counted
+        from ``lo``, and their lengths."""
+        a, b = np.searchsorted(self.starts, [lo, hi])
+        return self.starts[a:b] - lo, self.lengths[a:b]
+
+
+class ScalarSum:
+    """The binned sum of float64 scalars (a loss): the arithmetic of a
+    :class:`BinnedAccumulator` of one element, in Python floats (no array passes:
+    a deposit costs microseconds). ``bin`` and ``words`` are its chunk's.
+    """
+
+    def __init__(self, word_bits: int = WORD_BITS) -> None:
+        self.word_bits = word_bits
+        self.k = words_for(np.float64)
+        self.bin = EMPTY_BIN
+        self.words = [0.0] * self.k
+
+    def clear(self) -> None:
+        self.bin = EMPTY_BIN
+        self.words = [0.0] * self.k
+
+    def deposit(self, v: float) -> bool:
+        """Add ``v``; False, adding nothing, when it is not finite."""
+        if not math.isfinite(v):
+            return False
+        if v == 0.0:
+            return True
+        self.realign(max(self.bin, bin_of(abs(v), self.word_bits)))
+        t = math.ldexp(v, -self.bin * self.word_bits)
+        step = 2.0 ** self.word_bits
+        for k in range(self.k - 1):
+            s = float(math.trunc(t))
+            self.words[k] += s
+            t = (t - s) * step
+        self.words[self.k - 1] += float(math.trunc(t))
+        return True
+
+    def realign(self, top: int) -> None:
+        """Raise the bin to ``top`` (the group's MAX), dropping the lowest words."""
+        if top <= self.bin:
+            return
+        if self.bin != EMPTY_BIN:
+            d = min(top - self.bin, self.k)
+            self.words = [0.0] * d + self.words[:self.k - d]
+        self.bin = top
+
+    def value(self) -> float:
+        return words_to_float(self.words, self.bin, self.word_bits)
+
+
 class BinnedAccumulator:
     """The order-independent sum of vectors of ``size`` elements, and of ``extras``
     scalars that each get a chunk of their own (a loss beside a gradient).
@@ -222,7 +320,11 @@ class BinnedAccumulator:
                 padded += -(-length // chunk) * chunk
             start += length
         self.padded_size = padded
+        #: ``(start, stop, padded start)`` of each non-empty segment.
+        self.segments = self._segments
         self.main_chunks = padded // chunk
+        #: Chunk ``c`` of the words is chunk ``c`` of this grid (kernels read it).
+        self.grid = ChunkGrid(lengths, chunk)
         chunks = self.main_chunks + extras
         self.xp = xp
         self.words = xp.zeros((self.k, chunks, chunk), dtype=np.float64)
@@ -251,6 +353,8 @@ class BinnedAccumulator:
             filled = sum(q1 - q0 for q0, q1, _ in copies)
             self._blocks.append((c0, c1, copies, filled < hi - lo))
         self._bits_scratch: Any = None     # integer scratch of _block_amax, on first need
+        #: Working space a fused kernel (mpishard.kernels.deposit) keeps here.
+        self.kernel_scratch: dict[str, Any] = {}
         self.deposits = 0
         #: Deposits the words hold exactly (over all ranks that reduce them).
         self.capacity = 1 << (53 - word_bits)

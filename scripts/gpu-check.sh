@@ -15,12 +15,13 @@
 # the fused CUDA kernels off and on (MPISHARD_GPU_KERNELS=0/1); the tests marked
 # gpu that start their own jobs; `mpishard train --device cuda` on 2 ranks (both
 # examples, a few steps); benchmarks/bench_gpu.py against PyTorch eager at 1 and
-# 2 ranks (its own JSON lines). Logs go to $GPU_CHECK_LOGS (default
-# /tmp/mpishard-gpu-check). Exit code: 0 when every check passed, 1 when one
-# failed, 2 for bad arguments, 3 when no GPU is seen (nothing else is run).
+# 2 ranks, and benchmarks/bench_reproducible.py --device cuda (reproducible mode
+# against the default step) at 1 and 2 ranks (their own JSON lines). Logs go to
+# $GPU_CHECK_LOGS (default /tmp/mpishard-gpu-check). Exit code: 0 when every
+# check passed, 1 when one failed, 2 for bad arguments, 3 when no GPU is seen.
 set -uo pipefail
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
 tests=1 bench=1
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -138,6 +139,17 @@ if [ "$bench" = 1 ]; then
   timeout 180 "${mpirun[@]}" -n 2 "$py" benchmarks/bench_gpu.py 2>"$logs/bench-2.err" \
     | tee "$logs/bench-2.jsonl" || { failed=1; json bench-2-ranks 0 $(( $(date +%s) - t0 )) \
     "see $logs/bench-2.err"; }
+  # Reproducible mode against the default step on the GPU (issue 22): the deposit's
+  # CUDA kernels at 1 and 2 ranks, the twin's CuPy calls at 1 rank beside them.
+  for spec in "1 1" "2 1" "1 0"; do
+    set -- $spec
+    t0=$(date +%s)
+    MPISHARD_GPU_KERNELS=$2 timeout 240 "${mpirun[@]}" -n "$1" "$py" \
+      benchmarks/bench_reproducible.py --device cuda --models small gpt --dtypes float32 \
+      --rounds 5 2>"$logs/bench-repro-$1-$2.err" | tee "$logs/bench-repro-$1-$2.jsonl" \
+      || { failed=1; json "bench-reproducible-$1-kernels-$2" 0 $(( $(date +%s) - t0 )) \
+      "see $logs/bench-repro-$1-$2.err"; }
+  done
 fi
 
 json gpu-check "$([ $failed = 0 ] && echo 1 || echo 0)" $(( $(date +%s) - t_start )) \

@@ -16,8 +16,8 @@ accumulation, and pipeline sizes and schedules.
 
 Columns: ``mlp-f32`` / ``mlp-f64``: an MLP [6, 16, 16, 4] trained by DDP or
 ZeRO-2 (24 units of 2 rows); ``gpt-f32``: a 2-block GPT as a pipeline of
-``pp`` stages (4 units of 12 rows, 2 micro-batches each), the parameters in the
-whole model's order.
+``pp`` stages (8 units of 6 rows; a pass of the schedule runs 1, 2 or 4 of them
+as its micro-batches), the parameters in the whole model's order.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import sys
 
 BATCH = 48
 EPOCHS = 6            # 240 samples, 5 steps an epoch: 30 steps
-PIPE_UNIT = 12
+PIPE_UNIT = 6
 
 
 def layouts(world: int) -> list[dict]:
@@ -46,7 +46,9 @@ def layouts(world: int) -> list[dict]:
         dp = world // pp
         if world % pp == 0 and (BATCH // PIPE_UNIT) % dp == 0:
             for schedule in ("1f1b", "gpipe"):
-                out.append({"family": "gpt", "pp": pp, "dp": dp, "schedule": schedule})
+                for micro in (1, 2, 4):
+                    out.append({"family": "gpt", "pp": pp, "dp": dp, "schedule": schedule,
+                                "micro_batches": micro})
     return out
 
 
@@ -95,7 +97,7 @@ def worker() -> None:
                                            reproducible=True, unit_rows=PIPE_UNIT)
             model = HybridShardedModel(
                 lambda **kw: GPT(11, 5, 8, 2, 2, dtype=np.float32, seed=11, **kw), config,
-                micro_batches=2, schedule=layout["schedule"])
+                micro_batches=layout["micro_batches"], schedule=layout["schedule"])
             strategy = HybridShardedOptimizer(AdamW(lr=1e-2, weight_decay=0.01), config,
                                               data_parallel="ddp", model=model,
                                               max_grad_norm=0.5)
@@ -118,7 +120,8 @@ def label(row: dict) -> str:
     if row["family"] == "mlp":
         acc = f", accumulation {row['accumulation']}" if row["accumulation"] > 1 else ""
         return f"{ranks}, {row['strategy']}{acc}"
-    return f"{ranks}, pp={row['pp']} dp={row['dp']}, {row['schedule']}"
+    return (f"{ranks}, pp={row['pp']} dp={row['dp']}, {row['schedule']}, "
+            f"{row['micro_batches']} micro-batch{'es' if row['micro_batches'] > 1 else ''}")
 
 
 def main() -> None:
@@ -137,8 +140,13 @@ def main() -> None:
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if out.returncode:
             sys.exit(f"{' '.join(cmd)} failed:\n{out.stdout}\n{out.stderr}")
-        rows += [json.loads(line[4:]) for line in out.stdout.splitlines()
-                 if line.startswith("ROW ")]
+        # Another rank's terminal reset (ESC[0m, no newline) may land before a row.
+        got = [json.loads(line[line.index("ROW ") + 4:]) for line in out.stdout.splitlines()
+               if "ROW {" in line]
+        if len(got) != len(layouts(n)):
+            sys.exit(f"{' '.join(cmd)} printed {len(got)} rows for {len(layouts(n))} "
+                     f"layouts:\n{out.stdout}")
+        rows += got
     mlp = [r for r in rows if r["family"] == "mlp"]
     gpt = [r for r in rows if r["family"] == "gpt"]
     print("| layout | mlp-float32 | mlp-float64 |")

@@ -13,7 +13,8 @@ The helpers live in ``support/`` (on ``sys.path`` from here): ``mpijobs`` (jobs
 with their own ``mpirun``), ``backends`` (the ``xp`` and ``kernels`` fixtures), ``strategies``
 (``STRATEGIES``), ``reference`` (the one serial reference), ``worlds`` (skips for
 world sizes a test does not fit), ``elastic``, ``slurmjobs``, ``nscluster`` (the
-``cluster`` fixture) and ``stuckjob``, and the job scripts ``elastic_worker.py`` and
+``cluster`` fixture), ``stuckjob`` and ``deposit_cases`` (vectors for the
+binned-sum kernels), and the job scripts ``elastic_worker.py`` and
 ``cluster_cases.py``. World sizes: ``@pytest.mark.mpi(min_size=N)`` (pytest-mpi)
 skips a test, on every rank, when the world has fewer than ``N`` ranks.
 """

@@ -502,15 +502,20 @@ class FlatComm:
             copy_back()
 
     def Alltoallv(self, sendbuf: Any, sendcounts: Sequence[int], recvbuf: Any,
-                  recvcounts: Sequence[int], slot: Any = "alltoall") -> None:
+                  recvcounts: Sequence[int], slot: Any = "alltoall",
+                  senddispls: Sequence[int] | None = None,
+                  recvdispls: Sequence[int] | None = None) -> None:
         """Rank ``i`` sends the ``j``-th piece of ``sendbuf`` (``sendcounts[j]``
         elements; pieces in rank order) to rank ``j``, and receives ``recvcounts[j]``
         elements from each rank ``j`` into ``recvbuf``, placed in rank order.
-        Collective over the group."""
+        ``senddispls`` / ``recvdispls`` place the pieces elsewhere (sent pieces may
+        overlap). Collective over the group."""
         send, _ = self._host(sendbuf, (slot, "send"))
         recv, copy_back = self._host(recvbuf, (slot, "recv"))
-        sspec = [send, ([int(c) for c in sendcounts], _displacements(sendcounts))]
-        rspec = [recv, ([int(c) for c in recvcounts], _displacements(recvcounts))]
+        sd = _displacements(sendcounts) if senddispls is None else [int(d) for d in senddispls]
+        rd = _displacements(recvcounts) if recvdispls is None else [int(d) for d in recvdispls]
+        sspec = [send, ([int(c) for c in sendcounts], sd)]
+        rspec = [recv, ([int(c) for c in recvcounts], rd)]
         if self.timeout is not None:
             self.wait_request(self.comm.Ialltoallv(sspec, rspec), "Ialltoallv")
         else:

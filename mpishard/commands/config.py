@@ -83,6 +83,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("reproducible", "bool", False, "bitwise-reproducible training: the same "
            "parameters and losses at any data-parallel size, strategy and pipeline split "
            "(slower; the global batch is cut into gcd(batch, 24) units)", _G_PAR),
+    Option("reproducible_sizes", "ints", None, "with --reproducible: the data-parallel "
+           "sizes (times accumulation steps) whose bits must agree, comma-separated, e.g. "
+           "1,2,4; the batch is then cut into gcd(batch, lcm) units instead of "
+           "gcd(batch, 24): fewer, larger units, faster", _G_PAR),
     Option("fault_tolerance", "str", "auto", "survive a lost rank in place: ulfm (an error "
            "where the job is not under Open MPI 5's mpirun --with-ft ulfm), off, or auto "
            "(ulfm where available); ddp, zero2 and zero3 go on over the survivors, hybrid "
@@ -155,6 +159,7 @@ class Settings:
     schedule: str
     accumulation_steps: int
     reproducible: bool
+    reproducible_sizes: list[int] | None
     fault_tolerance: str
     d_model: int
     heads: int

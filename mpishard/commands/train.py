@@ -181,6 +181,7 @@ def _setup(s: Settings, comm: FlatComm) -> Run:
 def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Run:
     from ..config import ShardingConfiguration
     from ..errors import MpiShardError
+    from ..parallel.repro import unit_rows_for
 
     dtype = np.dtype(s.dtype)
     xp, gpu = np, None
@@ -199,6 +200,7 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
         config = ShardingConfiguration(comm, tensor_parallel_size=s.tp,
                                        pipeline_parallel_size=s.pp, data_parallel_size=s.dp,
                                        reproducible=s.reproducible,
+                                       reproducible_sizes=s.reproducible_sizes,
                                        fault_tolerance=s.fault_tolerance)
         model = _model(s, config, dtype, n_in, n_out, xp)
         return config, model, _strategy(s, config, model, steps, warmup)
@@ -220,9 +222,13 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
               f"{s.data_parallel} across replicas")
     where = ("" if gpu is None else
              f", on {gpu.name} GPUs (rank 0: GPU {gpu.device}, {gpu.why})")
+    repro = ""
+    if s.reproducible:
+        units = s.batch_size // unit_rows_for(s.batch_size, None, config.reproducible_sizes)
+        repro = f", reproducible ({units} units a batch)"
     description = [
         f"{name} of {params:,} parameters ({shape}) on {what}",
-        f"{layout}{where}{', reproducible' if s.reproducible else ''}; global batch "
+        f"{layout}{where}{repro}; global batch "
         f"{s.batch_size}, {s.epochs} epochs = {steps} steps, "
         f"{s.optimizer} lr {s.lr:g}, cosine schedule",
     ]

@@ -136,6 +136,9 @@ class DataParallelCore:
     _slots = 0
     #: This rank adds its rows and loss to the step's totals (one rank per model replica).
     _counts_rows = True
+    #: The model's passes communicate over ``groups.dp`` (ZeRO-3's parameter gathers):
+    #: reproducible mode then runs the same passes on every rank (see .repro).
+    _lockstep_passes = False
 
     def __init__(self, optimizer: Optimizer, config: ShardingConfiguration | None = None, *,
                  model: Model | None = None, **options: Any) -> None:
@@ -407,8 +410,8 @@ class DataParallelCore:
         if repro is not None:
             loss_sum, squares = repro.read_totals(buf, tail)
             buf[_LOSS] = loss_sum
-            if self.max_grad_norm is not None:
-                buf[_SQUARES] = squares
+            if self.max_grad_norm is not None or not math.isfinite(squares):
+                buf[_SQUARES] = squares     # NaN: a rank's unit gradient was not finite
         self.timings["communication"] += (t1 - t0 - converted) + (t3 - t2)
         self._pending_micro = 0
         self._loss_sum = 0.0
@@ -646,6 +649,11 @@ class DataParallelCore:
         """``(out, start, stop)``: the reduced gradient's world range ``[start, stop)``
         this rank updates from, and the array to write it into."""
         raise NotImplementedError
+
+    def _repro_shards(self) -> list[Range] | None:
+        """Every data-parallel rank's range of the reduced gradient, where each
+        rank updates from its own part only; None where each holds all of it."""
+        return None
 
     def _memory(self) -> dict[str, int]:
         raise NotImplementedError

@@ -182,6 +182,20 @@ class HybridShardedModel:
     def set_batch_context(self, step: int, start: int, global_size: int) -> None:
         self._context = (step, start, global_size)
 
+    def forward_backward_units(self, xs: list[Any], ys: list[Any], losses: Any, *,
+                               contexts: list[tuple[int, int, int]] | None = None,
+                               loss_scale: float = 1.0,
+                               before_backward: Callable[[int], None] | None = None,
+                               after_backward: Callable[[int], None] | None = None) -> None:
+        """Reproducible mode's units as the micro-batches of one pass of the
+        schedule (at most ``micro_batches``), each unit's gradient alone between
+        ``after_backward(i)`` and the next ``before_backward``; their mean losses
+        into ``losses`` on every rank (a :class:`~mpishard.protocols.UnitPassModel`).
+        ``contexts[i]``: unit ``i``'s ``(step, first row, global batch)``.
+        Collective over pipeline and tensor groups."""
+        self.runner.run_units(xs, ys, losses, contexts=contexts, loss_scale=loss_scale,
+                              before_backward=before_backward, after_backward=after_backward)
+
     # The ShardableModel protocol, the stage model's: ZeRO-3 over the data group
     # gathers the stage's parameters a bucket at a time in every pass of the schedule.
     def bind_parameters(self, view: Callable[[str], Any], params: Any = None) -> None:
@@ -260,7 +274,11 @@ class HybridCore:
 
     def _setup(self) -> None:
         super()._setup()
-        self._gradient_factor = 1.0 / getattr(self.model, "micro_batches", 1)
+        # The pipeline sums its micro-batches' gradients, each of rows x its mean:
+        # 1 / micro_batches makes it the rows' sum. Reproducible mode's units are
+        # whole micro-batches, each its rows' sum already.
+        self._gradient_factor = 1.0 if self.config.reproducible else \
+            1.0 / getattr(self.model, "micro_batches", 1)
         # Every rank of a model replica (its tensor and pipeline ranks) sees the
         # same rows and the same loss: one of them counts them in the step's totals.
         c = self.config.groups.coordinates

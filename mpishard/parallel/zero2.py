@@ -16,7 +16,7 @@ from ..errors import MpiShardError
 from ..flat import Range, shard_ranges
 from ..protocols import Model
 from .base import DataParallelCore, DataParallelOptions, _nbytes
-from .repro import WordShards
+from .reproexchange import WordShards
 
 __all__ = ["REDUCE_METHODS", "ZeRO2Core", "ZeRO2Options", "choose_reduce_method"]
 
@@ -257,6 +257,9 @@ class ZeRO2Core(DataParallelCore):
 
     def _repro_target(self) -> tuple[Any, int, int]:
         return self.shard_grad, self.shard.start, self.shard.stop
+
+    def _repro_shards(self) -> list[Range]:
+        return self.shards
 
     # --- norm, update and gather -----------------------------------------------
     def _norm_pieces(self, owned: list[Range]) -> list[Range]:

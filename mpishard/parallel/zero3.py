@@ -13,7 +13,7 @@ from ..backend import to_numpy
 from ..comm import FlatComm, ulfm
 from ..comm.gather import ParameterGather
 from ..flat import Range, bucket_ranges, unit_ranges
-from ..protocols import BACKWARD, FORWARD, Model, ShardableModel
+from ..protocols import BACKWARD, FORWARD, Model, ShardableModel, UnitPassModel
 from .zero2 import ZeRO2Core, ZeRO2Options
 
 __all__ = ["ZeRO3Core", "ZeRO3Options"]
@@ -240,6 +240,9 @@ class ZeRO3Core(ZeRO2Core):
         without a model, after their own passes. How many is agreed before any
         pass: a pass waits for its gathers, so a rank must not be waiting in
         another collective meanwhile."""
+        if isinstance(self.model, UnitPassModel):
+            # Its passes are the same on every rank already (_lockstep_passes).
+            return super().backward(x, y, batch_start=batch_start, global_rows=global_rows)
         rows = len(x)
         # Without global_rows, as ReproducibleStep assumes: every rank has len(x).
         total = global_rows if global_rows is not None else \
@@ -286,6 +289,10 @@ class ZeRO3Core(ZeRO2Core):
                     buckets.source(j)[u.start - b.start:u.stop - b.start].fill(0)
                     buckets.after(u)
                 gather.after(u, phase)
+
+    @property
+    def _lockstep_passes(self) -> bool:
+        return self._sharded
 
     def _passes(self) -> list[str]:
         """The phases of the parameter passes of one ``forward_backward``."""

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..comm import FlatComm, Handle
-from .schedules import peak_in_flight, schedule
+from .schedules import Action, peak_in_flight, schedule
 
 __all__ = ["PipelineStage"]
 
@@ -44,6 +45,8 @@ class PipelineStage:
         self._recv: dict[tuple[str, int], Any] = {}
         self._sends: dict[tuple[str, int], Handle] = {}
         self._loss_buffer = np.zeros(1)   # the step's loss, broadcast from the last stage
+        self._losses = np.zeros(micro_batches)     # run_units: each unit's loss
+        self._short: dict[int, list[Action]] = {}   # run_units: passes of fewer units
         self.busy_seconds = 0.0     # time in the stage's own forward/backward
         self.step_seconds = 0.0     # wall time of run()
 
@@ -63,35 +66,89 @@ class PipelineStage:
         step on every stage (broadcast from the last). Gradients are the sum of
         the micro-batches' (each a mean): the caller scales by ``1/micro_batches``.
         ``context = (step, first row, global batch)`` feeds dropout's masks.
+
+        Raises:
+            ValueError: the local batch does not split into ``micro_batches``
+                equal micro-batches.
         """
-        t_start = time.perf_counter()
-        model, m = self.model, self.micro_batches
-        rows = len(x)
+        m, rows = self.micro_batches, len(x)
         if rows % m:
-            raise ValueError(f"local batch of {rows} rows does not split into {m} micro-batches")
+            raise ValueError(f"the local batch of {rows} rows does not split into "
+                             f"{m} micro-batches: make each rank's rows (of the batch, "
+                             f"per accumulation step) a multiple of {m}, or choose "
+                             f"micro_batches dividing {rows}")
         b = rows // m
-        batch_shape = (b,) + tuple(x.shape[1:])
+        context_of = None
+        if context is not None:
+            step, start, global_size = context
+            context_of = lambda i: (step, start + i * b, global_size)  # noqa: E731
+        losses = self._run(lambda i: (x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]), m,
+                           (b,) + tuple(x.shape[1:]), accumulate, context_of, loss_scale, None)
+        return self._share_loss(sum(losses) / m)
+
+    def run_units(self, xs: list[Any], ys: list[Any], losses: Any, *,
+                  contexts: list[tuple[int, int, int]] | None = None, loss_scale: float = 1.0,
+                  before_backward: Callable[[int], None] | None = None,
+                  after_backward: Callable[[int], None] | None = None) -> None:
+        """One pass of the schedule whose micro-batches are units of equal rows:
+        unit ``i`` is ``(xs[i], ys[i])``, at most ``micro_batches`` of them. No
+        backward accumulates: from ``after_backward(i)`` until the next unit's
+        ``before_backward`` the stage's gradient is unit ``i``'s alone
+        (``loss_scale`` times the gradient of its mean loss). ``losses[i]``
+        receives each unit's mean loss, on every stage (one ``Bcast`` from the
+        last). ``contexts[i] = (step, first row, global batch)`` feeds unit
+        ``i``'s dropout masks. Collective over ``pp``.
+
+        Raises:
+            ValueError: no units, more than ``micro_batches``, or units of unequal rows.
+        """
+        count = len(xs)
+        b = len(xs[0]) if count else 0
+        if not 1 <= count <= self.micro_batches or any(len(v) != b for v in xs):
+            raise ValueError(f"expecting 1 to {self.micro_batches} units of equal rows, got "
+                             f"{[len(v) for v in xs]}")
+        got = self._run(lambda i: (xs[i], ys[i]), count, (b,) + tuple(xs[0].shape[1:]), False,
+                        None if contexts is None else contexts.__getitem__, loss_scale,
+                        (before_backward, after_backward))
+        buf = self._losses
+        if self.model.is_last_stage:
+            buf[:count] = got
+        if self.stages > 1:
+            self.pp.Bcast(buf[:count], root=self.stages - 1, slot="unit-losses")
+        losses[:count] = buf[:count]
+
+    def _run(self, piece: Callable[[int], tuple[Any, Any]], m: int,
+             batch_shape: tuple[int, ...], accumulate: bool,
+             context_of: Callable[[int], tuple[int, int, int]] | None, loss_scale: float,
+             hooks: tuple[Callable[[int], None] | None, Callable[[int], None] | None] | None
+             ) -> list[float]:
+        """The schedule of ``m`` micro-batches, micro-batch ``i`` being
+        ``piece(i)`` (of ``batch_shape``, its batch context ``context_of(i)``);
+        each one's mean loss (on the last stage; empty elsewhere)."""
+        t_start = time.perf_counter()
+        model = self.model
+        actions = self.actions if m == self.micro_batches else self._actions_for(m)
         first, last = model.is_first_stage, model.is_last_stage
         prev, nxt = self.stage - 1, self.stage + 1
-        total_loss = 0.0
+        losses: list[float] = []
         backward_done = 0
-        for kind, i in self.actions:
+        before, after = hooks if hooks is not None else (None, None)
+        for kind, i in actions:
             k = i % self.slots
             if kind == "F":
                 if first:
-                    inp = x[i * b:(i + 1) * b]
+                    inp = piece(i)[0]
                 else:
                     inp = self._buffer("act", k, model.stage_input_shape(batch_shape))
                     self.pp.Recv(inp, source=prev, tag=2 * i, slot=("act", k))
                 self._wait_send("out", k)      # the slot's output buffer is rewritten
                 t0 = time.perf_counter()
-                if context is not None and hasattr(model, "set_batch_context"):
-                    step, start, global_size = context
-                    model.set_batch_context(step, start + i * b, global_size)
+                if context_of is not None and hasattr(model, "set_batch_context"):
+                    model.set_batch_context(*context_of(i))
                 out = model.forward_stage(inp, micro=k)
                 if last:
                     # loss_scale: gradients of loss_scale x the mean (the loss stays the mean).
-                    total_loss += model.loss(y[i * b:(i + 1) * b], micro=k, scale=loss_scale)
+                    losses.append(model.loss(piece(i)[1], micro=k, scale=loss_scale))
                 self.busy_seconds += time.perf_counter() - t0
                 if not last:
                     self._sends[("out", k)] = self.pp.Isend(out, dest=nxt, tag=2 * i,
@@ -102,20 +159,32 @@ class PipelineStage:
                     grad = self._buffer("grad", k, model.stage_output_shape(batch_shape))
                     self.pp.Recv(grad, source=nxt, tag=2 * i + 1, slot=("grad", k))
                 self._wait_send("dx", k)
+                if before is not None:
+                    before(i)
                 t0 = time.perf_counter()
-                dx = model.backward_stage(grad, micro=k,
-                                          accumulate=accumulate or backward_done > 0)
+                # Units (hooks given) never accumulate: each one's gradient alone.
+                dx = model.backward_stage(grad, micro=k, accumulate=hooks is None and (
+                    accumulate or backward_done > 0))
                 backward_done += 1
                 self.busy_seconds += time.perf_counter() - t0
+                if after is not None:
+                    after(i)
                 if not first:
                     self._sends[("dx", k)] = self.pp.Isend(dx, dest=prev, tag=2 * i + 1,
                                                            slot=("dx", k))
         for handle in self._sends.values():
             handle.wait()
         self._sends.clear()
-        loss = self._share_loss(total_loss / m)
         self.step_seconds += time.perf_counter() - t_start
-        return loss
+        return losses
+
+    def _actions_for(self, m: int) -> list[Action]:
+        """This stage's actions for a pass of ``m`` micro-batches (fewer than
+        ``micro_batches``: the slots of the full pass suffice), made once."""
+        actions = self._short.get(m)
+        if actions is None:
+            actions = self._short[m] = schedule(self.schedule_name, self.stages, m, self.stage)
+        return actions
 
     def _wait_send(self, kind: str, slot: int) -> None:
         handle = self._sends.pop((kind, slot), None)

@@ -86,8 +86,10 @@ def test_three_ranks():
     t = mpi_test_module("test_reproducible")
     job = mpirun(3, THREE_RANKS.format(tests=str(MPI_TESTS)), timeout=300)
     assert job.returncode == 0, job.output
-    line = next(x for x in job.output.splitlines() if x.startswith("HASHES "))
-    got = json.loads(line[len("HASHES "):])
+    # Anywhere in a line, the JSON alone: another rank's terminal reset (ESC[0m,
+    # no newline) may land before or after it (mpirun joins the ranks' output).
+    line = next(x for x in job.output.splitlines() if "HASHES " in x)
+    got = json.JSONDecoder().raw_decode(line[line.index("HASHES ") + len("HASHES "):])[0]
     for case, hashes in zip(t.CASES3, got):
         kind, model, dtype, acc, clip, rows = case
         serial = t.train(MPI.COMM_SELF, "ddp", model, dtype, acc, clip, unit_rows=rows)

@@ -251,26 +251,38 @@ def test_plot_draws_the_loss_curve(tmp_path):
 
 @LAUNCH
 def test_train_command_reproducible_flag_and_toml_key(tmp_path):
-    """``mpishard train --reproducible`` on 1 rank (DDP) and, from a TOML file, on 2
-    ranks (ZeRO-2) writes the same final parameters, bit for bit."""
+    """``mpishard train --reproducible`` on 1 rank (DDP), from a TOML file on 2
+    ranks (ZeRO-2), and as a 2-stage pipeline of 4 micro-batches writes the same
+    final parameters, bit for bit."""
     common = ["train", "--example", "burgers", "--samples", "128", "--epochs", "1",
               "--batch-size", "48", "--hidden", "16,16"]
     toml = tmp_path / "run.toml"
     toml.write_text('reproducible = true\nstrategy = "zero2"\n')
     assert plan_runs({"config": str(toml), "example": "burgers"}, 2)[0].reproducible
     assert not plan_runs({"example": "burgers"}, 2)[0].reproducible
-    runs = {1: [*common, "--reproducible", "--out", str(tmp_path / "one")],
-            2: [*common, "--config", str(toml), "--out", str(tmp_path / "two")]}
+    sized = tmp_path / "sized.toml"
+    sized.write_text('reproducible = true\nreproducible_sizes = [1, 2, 4]\n')
+    assert plan_runs({"config": str(sized), "example": "burgers"}, 2)[0].reproducible_sizes \
+        == [1, 2, 4]
+    # (ranks, arguments): one process; ZeRO-2 from the TOML file; a 2-stage pipeline
+    # whose 4 micro-batches are 4 of the 24 units of 2 rows (issue 21: a unit cut
+    # into micro-batches changed the bits, and 4 were refused).
+    runs = {"one": (1, [*common, "--reproducible"]),
+            "two": (2, [*common, "--config", str(toml)]),
+            "pipe": (2, [*common, "--reproducible", "--strategy", "hybrid", "--pp", "2",
+                         "--micro-batches", "4"])}
     final = {}
-    for n, args in runs.items():
-        job = subprocess.run(mpirun_command(n, "-m", "mpishard", *args), capture_output=True,
-                             text=True, timeout=240, env=mpi_env())
+    for name, (n, args) in runs.items():
+        job = subprocess.run(mpirun_command(n, "-m", "mpishard", *args, "--out",
+                                            str(tmp_path / name)),
+                             capture_output=True, text=True, timeout=240, env=mpi_env())
         assert job.returncode == 0, job.stdout + job.stderr
         assert "reproducible" in job.stdout
-        folder = tmp_path / ("one" if n == 1 else "two") / "burgers" / "checkpoints"
+        folder = tmp_path / name / "burgers" / "checkpoints"
         (path,) = sorted(folder.glob("*.h5"))[-1:]
         with h5py.File(path, "r") as f:
-            final[n] = {k: f["params"][k][()] for k in f["params"]}
-    assert sorted(final[1]) == sorted(final[2])
-    for name in final[1]:
-        assert final[1][name].tobytes() == final[2][name].tobytes(), name
+            final[name] = {k: f["params"][k][()] for k in f["params"]}
+    for other in ("two", "pipe"):
+        assert sorted(final["one"]) == sorted(final[other])
+        for key in final["one"]:
+            assert final["one"][key].tobytes() == final[other][key].tobytes(), (other, key)

@@ -9,7 +9,9 @@ by its local loss). Clipping is active throughout, so a clip coefficient that
 hid NaN (``min(1.0, nan)`` is 1.0) would show as NaN parameters. Each test
 checks numbers against a reference: the parameters before the step, or one
 process training on the global batches with step ``K`` left out (float64,
-rtol 1e-10).
+rtol 1e-10). Each in the default mode and in reproducible mode (its binned
+words path and its float path), which finds a unit's non-finite gradient where
+the units are summed.
 """
 
 from __future__ import annotations
@@ -82,19 +84,27 @@ def mine(batch, rank):
 MODELS = {"nan-gradient": make_function_model, "inf-loss": make_mlp}
 
 
-def build(strategy, kind, comm, **kw):
+#: The default mode, and reproducible mode with units of one row (6 a rank each
+#: step: the binned words path) and of three (2 a rank: the float path).
+MODES = {"default": {}, "repro-words": {"reproducible": True, "unit_rows": 1},
+         "repro-floats": {"reproducible": True, "unit_rows": 3}}
+
+
+def build(strategy, kind, comm, mode="default", **kw):
     model = MODELS[kind]()
-    dist = STRATEGIES[strategy](AdamW(lr=0.05, weight_decay=0.01), ShardingConfiguration(comm),
+    dist = STRATEGIES[strategy](AdamW(lr=0.05, weight_decay=0.01),
+                                ShardingConfiguration(comm, **MODES[mode]),
                                 model=model, max_grad_norm=1.0, bucket_mb=1e-5,
                                 accumulation_steps=2, **kw)
     return model, dist
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("kind", MODELS)
-def test_raises_on_every_rank_naming_step_and_rank(strategy, kind):
+def test_raises_on_every_rank_naming_step_and_rank(strategy, kind, mode):
     comm = MPI.COMM_WORLD
-    model, dist = build(strategy, kind, comm)
+    model, dist = build(strategy, kind, comm, mode)
     for step in range(1, K):
         dist.train_step(*mine(global_batch(step, comm.size, kind), comm.rank))
     before = model.params.copy()
@@ -126,11 +136,12 @@ def serial_skipping(kind, size):
     return run.params
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("kind", MODELS)
-def test_skip_leaves_the_step_out_on_every_rank(strategy, kind):
+def test_skip_leaves_the_step_out_on_every_rank(strategy, kind, mode):
     comm = MPI.COMM_WORLD
-    model, dist = build(strategy, kind, comm, nonfinite="skip")
+    model, dist = build(strategy, kind, comm, mode, nonfinite="skip")
     losses = [dist.train_step(*mine(global_batch(step, comm.size, kind), comm.rank))
               for step in range(1, STEPS + 1)]
     assert dist.skipped_steps == 1 and dist.step_count == STEPS - 1

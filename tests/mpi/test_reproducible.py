@@ -70,19 +70,23 @@ def units_of(model):
 
 
 def train(comm, kind="ddp", model="mlp", dtype=np.float32, accumulation=1, clip=None,
-          reproducible=True, epochs=EPOCHS, unit_rows="auto"):
-    """Train 30 steps; returns (parameter digest, loss digest, params, losses)."""
-    unit_rows = units_of(model) if unit_rows == "auto" else unit_rows
-    config = ShardingConfiguration(comm, reproducible=reproducible, unit_rows=unit_rows)
+          reproducible=True, epochs=EPOCHS, unit_rows="auto", sizes=None, xp=np):
+    """Train 30 steps (the model on ``xp``'s device); returns (parameter digest,
+    loss digest, params, losses)."""
+    unit_rows = (units_of(model) if sizes is None else None) if unit_rows == "auto" \
+        else unit_rows
+    config = ShardingConfiguration(comm, reproducible=reproducible, unit_rows=unit_rows,
+                                   reproducible_sizes=sizes)
     if model == "mlp":
-        net, data = MLP([6, 16, 16, 4], activation="tanh", dtype=dtype, seed=5), mlp_data()
+        net, data = MLP([6, 16, 16, 4], activation="tanh", dtype=dtype, seed=5, xp=xp), \
+            mlp_data()
     else:
-        net, data = GPT(VOCAB, SEQ, 8, 2, 2, dtype=dtype, seed=11), token_data()
+        net, data = GPT(VOCAB, SEQ, 8, 2, 2, dtype=dtype, seed=11, xp=xp), token_data()
     strategy = make_strategy(kind, config, accumulation_steps=accumulation,
                              max_grad_norm=clip)
     result = strategy.optimize(net, (data[0], data[1]), epochs=epochs, batch_size=BATCH)
     strategy.verify_in_sync()
-    params = np.array(net.params)
+    params = np.array(net.params) if xp is np else xp.asnumpy(net.params)
     config.free()
     return (*digest(params, result.losses), params, np.array(result.losses))
 
@@ -124,6 +128,25 @@ def test_same_bits_as_one_process(case):
                                     np.max(np.abs(mine[3] - serial[3])))
 
 
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", [("ddp", "mlp", np.float32, 1, None),
+                                  ("zero2-reduce_scatter", "gpt", np.float64, 1, 0.5),
+                                  ("zero2-allreduce", "mlp", np.float64, 2, 0.5)], ids=case_id)
+def test_same_bits_on_the_device(case):
+    """CuPy arrays (the deposit's CUDA kernels with MPISHARD_GPU_KERNELS=1, the
+    twin without): the same bits at any size, as one process on the device."""
+    from backends import cupy_or_skip
+
+    cp = cupy_or_skip()
+    kind, model, dtype, acc, clip = case
+    if not units_fit(WORLD, acc, model):
+        pytest.skip(f"the units do not split over {WORLD} ranks x {acc} micro-batches")
+    serial = train(MPI.COMM_SELF, "ddp", model, dtype, acc, clip, xp=cp)
+    mine = train(MPI.COMM_WORLD, kind, model, dtype, acc, clip, xp=cp)
+    assert mine[:2] == serial[:2]
+
+
 @pytest.mark.mpi
 def test_reproducible_is_the_same_training_as_default():
     """Within float tolerance of the default mode (it is the same mean gradient)."""
@@ -151,8 +174,24 @@ def test_units_cut_by_a_rank_is_an_error_on_every_rank():
         ShardingConfiguration(MPI.COMM_WORLD, reproducible=True, unit_rows=0)
 
 
-# --- pipelines: pp = 1, 2, 4, GPipe and 1F1B -------------------------------------------
-PIPE_UNIT = 12      # 4 units of 12 rows, each one pass of 2 pipeline micro-batches
+# --- reproducible_sizes: the units the sizes a user needs allow ----------------------
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind, dtype, acc", [("ddp", np.float32, 1),
+                                              ("zero2-reduce_scatter", np.float64, 1),
+                                              ("zero2-allreduce", np.float32, 2)])
+def test_reproducible_sizes_same_bits_as_one_process(kind, dtype, acc):
+    """Sizes (1, 2, 4): 4 units of 12 rows (8 with accumulation 2), each rank
+    computing as few as the size allows."""
+    sizes = (1, 2, 4) if acc == 1 else (2, 4, 8)
+    if 4 % WORLD:
+        pytest.skip(f"reproducible_sizes {sizes} does not include {WORLD} ranks")
+    serial = train(MPI.COMM_SELF, "ddp", "mlp", dtype, acc, 0.5, sizes=sizes)
+    mine = train(MPI.COMM_WORLD, kind, "mlp", dtype, acc, 0.5, sizes=sizes)
+    assert mine[:2] == serial[:2]
+
+
+# --- pipelines: pp = 1, 2, 4, GPipe and 1F1B, micro-batches 1, 2, 4 ---------------------
+PIPE_UNIT = 6       # 8 units of 6 rows: a pipeline micro-batch is one unit
 
 
 def pipeline_factory(kind, dtype):
@@ -162,10 +201,10 @@ def pipeline_factory(kind, dtype):
                              seed=5)
 
 
-def train_pipeline(comm, pp, kind, dtype, schedule, data_parallel, clip=0.5):
+def train_pipeline(comm, pp, kind, dtype, schedule, data_parallel, clip=0.5, micro=1):
     config = ShardingConfiguration(comm, pipeline_parallel_size=pp, reproducible=True,
                                    unit_rows=PIPE_UNIT)
-    model = HybridShardedModel(pipeline_factory(kind, dtype), config, micro_batches=2,
+    model = HybridShardedModel(pipeline_factory(kind, dtype), config, micro_batches=micro,
                                schedule=schedule)
     strategy = HybridShardedOptimizer(AdamW(lr=1e-2, weight_decay=0.01), config,
                                       data_parallel=data_parallel, model=model,
@@ -173,8 +212,9 @@ def train_pipeline(comm, pp, kind, dtype, schedule, data_parallel, clip=0.5):
     data = token_data() if kind == "gpt" else mlp_data()
     result = strategy.optimize(model, data, epochs=EPOCHS, batch_size=BATCH)
     # Each stage's tensors by logical name, gathered to compare with one process.
-    tensors = {name: np.array(model.layout.view(model.params, name))
-               for name in model.layout.names}
+    with strategy.gathered_parameters() as params:
+        tensors = {name: np.array(model.layout.view(params, name))
+                   for name in model.layout.names}
     every = config.groups.pp.allgather(tensors)
     config.free()
     merged = {}
@@ -199,22 +239,87 @@ PIPE_LAYOUTS = [(pp, WORLD // pp) for pp in (1, 2, 4)
     pytest.param((0, 0), marks=pytest.mark.skip(
         reason=f"no pp x dp layout of {WORLD} ranks whose dp divides the "
                f"{BATCH // PIPE_UNIT} units of {PIPE_UNIT} rows"))]
+_PIPE_REFERENCE: dict = {}
+
+
+def pipeline_reference(kind, dtype):
+    """One process, no pipeline, one micro-batch (made once per model and dtype)."""
+    key = (kind, np.dtype(dtype).name)
+    if key not in _PIPE_REFERENCE:
+        _PIPE_REFERENCE[key] = flat_digest(*train_pipeline(MPI.COMM_SELF, 1, kind, dtype,
+                                                           "1f1b", "ddp"))
+    return _PIPE_REFERENCE[key]
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("micro", [1, 2, 4])
 @pytest.mark.parametrize("layout", PIPE_LAYOUTS, ids=lambda t: f"pp{t[0]}-dp{t[1]}")
 @pytest.mark.parametrize("schedule, data_parallel, kind, dtype", [
     ("1f1b", "ddp", "gpt", np.float32),
     ("gpipe", "zero2", "gpt", np.float64),
     ("gpipe", "ddp", "mlp", np.float64),
 ])
-def test_pipeline_same_bits_as_one_process(layout, schedule, data_parallel, kind, dtype):
-    pp, dp = layout
-    reference = train_pipeline(MPI.COMM_SELF, 1, kind, dtype, "1f1b", "ddp")
-    mine = train_pipeline(MPI.COMM_WORLD, pp, kind, dtype, schedule, data_parallel)
+def test_pipeline_same_bits_as_one_process(layout, micro, schedule, data_parallel, kind,
+                                           dtype):
+    """Any pipeline size, schedule and micro-batch count (a pass of up to ``micro``
+    units; fewer where a rank holds fewer) gives the one-process bits."""
+    pp, _ = layout
+    reference = pipeline_reference(kind, dtype)
+    mine = train_pipeline(MPI.COMM_WORLD, pp, kind, dtype, schedule, data_parallel,
+                          micro=micro)
     assert len(mine[1]) == 30
-    assert sorted(mine[0]) == sorted(reference[0])
-    assert flat_digest(*mine) == flat_digest(*reference)
+    assert flat_digest(*mine) == reference
+
+
+def train_pipeline_unequal(comm, pp, data_parallel, micro, empty=False):
+    """5 steps of ``backward`` on rows of the global batch given by hand, the
+    data-parallel ranks holding unequal units (8 units: 5 and 3 at 2 ranks; 3, 2,
+    2, 1 at 4; ``empty``: the last rank none, its share to the first); the
+    tensors by name (gathered) and the losses."""
+    config = ShardingConfiguration(comm, pipeline_parallel_size=pp, reproducible=True,
+                                   unit_rows=PIPE_UNIT)
+    model = HybridShardedModel(pipeline_factory("gpt", np.float64), config,
+                               micro_batches=micro, schedule="1f1b")
+    strategy = HybridShardedOptimizer(AdamW(lr=1e-2, weight_decay=0.01), config,
+                                      data_parallel=data_parallel, model=model,
+                                      max_grad_norm=0.5)
+    dp, units = config.groups.dp, BATCH // PIPE_UNIT
+    counts = [units // dp.size] * dp.size
+    if dp.size > 1:
+        moved = counts[-1] if empty else 1
+        counts[0] += moved
+        counts[-1] -= moved
+    lo = sum(counts[:dp.rank]) * PIPE_UNIT
+    hi = lo + counts[dp.rank] * PIPE_UNIT
+    x, y = token_data()
+    losses = []
+    for step in range(5):
+        xs, ys = x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH]
+        strategy.backward(xs[lo:hi], ys[lo:hi], batch_start=lo, global_rows=BATCH)
+        losses.append(strategy.step())
+    with strategy.gathered_parameters() as params:
+        tensors = {name: np.array(model.layout.view(params, name))
+                   for name in model.layout.names}
+    merged = {}
+    for part in config.groups.pp.allgather(tensors):
+        merged.update(part)
+    config.free()
+    return merged, np.array(losses)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("micro, empty", [(2, False), (4, False), (4, True)])
+@pytest.mark.parametrize("data_parallel", ["zero3", "zero2"])
+@pytest.mark.parametrize("layout", PIPE_LAYOUTS, ids=lambda t: f"pp{t[0]}-dp{t[1]}")
+def test_pipeline_unequal_units_same_bits(layout, data_parallel, micro, empty):
+    """Ranks holding unequal units, a rank none (rows given to backward by hand):
+    ZeRO-3 gathers the stage's parameters over the data group inside the passes,
+    so every rank runs the passes of the most units any holds (stand-ins of zeros
+    for its missing ones); the bits are one process's."""
+    pp, _ = layout
+    reference = flat_digest(*train_pipeline_unequal(MPI.COMM_SELF, 1, "ddp", 1))
+    mine = train_pipeline_unequal(MPI.COMM_WORLD, pp, data_parallel, micro, empty)
+    assert flat_digest(*mine) == reference
 
 
 # --- a checkpoint written at one size and resumed at another ---------------------------

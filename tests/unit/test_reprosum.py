@@ -17,6 +17,7 @@ from mpishard.reprosum import (
     NORM_WORDS,
     WORD_BITS,
     BinnedAccumulator,
+    ScalarSum,
     bin_of,
     fixed_bin_sum,
     words_for,
@@ -180,6 +181,27 @@ def test_binned_sum_edges():
     assert bin_of(2.0 ** WORD_BITS - 1) == 0 and bin_of(2.0 ** WORD_BITS) == 1
     with pytest.raises(ValueError, match="extra values"):
         acc.deposit(np.ones(5, dtype=np.float32), [1.0])
+
+
+def test_scalar_sum_is_a_one_element_accumulator():
+    """ScalarSum (the loss's sum, in Python floats) gives the words, bins and value
+    of a BinnedAccumulator of one float64 element, realigned alike."""
+    rng = np.random.default_rng(12)
+    values = list(rng.standard_normal(40) * np.exp2(rng.integers(-300, 300, 40)))
+    values[5:8] = [0.0, -0.0, 5e-324]
+    for order in (values, values[::-1]):
+        acc, one = BinnedAccumulator(1, np.float64), ScalarSum()
+        for v in order:
+            assert acc.deposit(np.array([v])) and one.deposit(float(v))
+            assert (one.bin, one.words) == (int(acc.bins[0]), acc.words[:, 0, 0].tolist())
+        top = one.bin + 2
+        acc.realign(np.array([top]))
+        one.realign(top)
+        assert one.words == acc.words[:, 0, 0].tolist()
+        out = np.empty(1)
+        acc.to_float(out)
+        assert one.value() == out[0]
+    assert not one.deposit(math.nan) and not one.deposit(-math.inf)
 
 
 def test_fixed_bin_sum_of_squares_any_partition():
