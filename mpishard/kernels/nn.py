@@ -9,7 +9,7 @@ elementwise maps, ``RawKernel`` with one thread block per row for the row
 reductions), compiled at its first call and cached (in the process, and by
 CuPy on disk). Which runs is :func:`mpishard.kernels.select.fused_on`'s choice
 for the array's library: the CuPy kernels stay behind ``MPISHARD_GPU_KERNELS=1``
-until a GPU run has passed their ``gpu`` tests (tests/test_kernels_nn.py).
+until a GPU run has passed their ``gpu`` tests (tests/unit/test_kernels_nn.py).
 
 The fused versions need C-contiguous arrays (the layers' own buffers are);
 given others they fall back to the twin. The matrix products around them stay

@@ -22,7 +22,7 @@ class PipelineStage:
     forward and their gradients back with ``Isend`` (completed at the end of the
     step; a slot's buffers are not touched again before that) and a blocking
     ``Recv`` when an action needs its input, which the schedules order so that
-    no stage waits on a stage that waits on it (``tests/test_schedules.py``
+    no stage waits on a stage that waits on it (``tests/unit/test_schedules.py``
     simulates it). Collective over ``pp``.
 
     The stage model implements the stage API of

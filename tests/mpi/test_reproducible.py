@@ -373,10 +373,6 @@ CASES3 = [
 ]
 
 
-if __name__ == "__main__":      # pragma: no cover
-    sys.exit(pytest.main([__file__]))
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("kind, dtype", [("ddp", np.float32), ("zero2-reduce_scatter", np.float64)])
 def test_short_last_batch_same_bits_as_one_process(kind, dtype):
@@ -393,3 +389,7 @@ def test_short_last_batch_same_bits_as_one_process(kind, dtype):
         config.free()
         return out
     assert run(MPI.COMM_WORLD) == run(MPI.COMM_SELF)
+
+
+if __name__ == "__main__":      # pragma: no cover
+    sys.exit(pytest.main([__file__]))
