@@ -320,7 +320,8 @@ def test_a_stuck_rank_on_another_node_is_named_with_its_stack(cluster, tmp_path,
     # that rank 1's line follows it on the same line ("PID 0 2491PID 1 2490").
     pid = re.search(r"PID 1 (\d+)(?!\d)", out).group(1)
     assert proc.returncode != 0 and "unreachable" not in out, out
-    assert re.search(rf"did not finish within 3 s; did not arrive: world rank 1 \(pid {pid} "
+    assert re.search(rf"did not finish within 3 s \(timeout=3: a wait for the other ranks of "
+                     rf"the group\); did not arrive: world rank 1 \(pid {pid} "
                      rf"on {HOSTS[1]}\): on another host", out), out
     if how == "loop":
         assert "in no call of the library: its watchdog wrote its stack" in out, out

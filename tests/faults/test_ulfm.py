@@ -208,7 +208,8 @@ def test_survivors_shrink_and_finish_as_a_reference_that_drops_the_rank(where):
           f"shrink+agree {rec['shrink_seconds']:.3f} s")
     assert rec["next_step"] - killed < (timeout + 5.0 if where == "sigstop" else 5.0), rec
     if where == "sigstop":
-        assert re.search(r"did not finish within 3 s; world rank 1 \(pid \d+ on \S+\): evicted "
+        assert re.search(r"did not finish within 3 s \(timeout=3: a wait for the other ranks "
+                         r"of the group\); world rank 1 \(pid \d+ on \S+\): evicted "
                          r"\(SIGKILL; it was in state T\)", out), out
 
 
