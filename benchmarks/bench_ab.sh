@@ -30,9 +30,17 @@ for round in $(seq "$rounds"); do
     PYTHONPATH=$root mpirun $MPISHARD_MPIRUN_FLAGS -n "$ranks" "$py" \
         "$bench" --no-torch "$@" \
       | "$py" -c 'import json, sys
+decode = json.JSONDecoder().raw_decode
 for line in sys.stdin:
-    if line.startswith("{"):
-        r = json.loads(line); r.update(tree=sys.argv[1], round=int(sys.argv[2]))
-        print(json.dumps(r), flush=True)' "$tree" "$round"
+    # (mpirun may join two of rank 0 lines, or another rank output, into one line)
+    at = line.find("{")
+    while at >= 0:
+        try:
+            r, end = decode(line, at)
+        except ValueError:
+            break
+        r.update(tree=sys.argv[1], round=int(sys.argv[2]))
+        print(json.dumps(r), flush=True)
+        at = line.find("{", end)' "$tree" "$round"
   done
 done
