@@ -264,20 +264,32 @@ def test_a_rank_killed_inside_optimize_is_recovered_exactly(tmp_path, strategy, 
     for victim in victims:
         assert f"KILL {victim} step " in out, out
     left = ranks - lose
-    [rec] = result["recoveries"]
-    assert rec["lost_ranks"] == victims and rec["world_size"] == left, rec
-    assert rec["step"] == agreed, (rec, kill)
-    assert rec["from"] == ("buddy" if strategy.startswith("zero2") else "survivor"), rec
+    # Ranks killed at once are usually found dead together (one recovery); where the
+    # runtime notices the second death only after the first shrink, the survivors
+    # recover again, at the same step, from the same copies: still exact.
+    recs = result["recoveries"]
+    assert 1 <= len(recs) <= lose, recs
+    assert sorted(r for rec in recs for r in rec["lost_ranks"]) == victims, recs
+    assert recs[-1]["world_size"] == left, recs
+    for rec in recs:
+        assert rec["step"] == agreed, (rec, kill)
+        assert rec["from"] == ("buddy" if strategy.startswith("zero2") else "survivor"), rec
+    rec = recs[0]
     print(f"{strategy} {phase}: recovery {rec['seconds']:.4f} s (shrink+agree "
-          f"{rec['shrink_seconds']:.4f} s), vs reference {result['vs_reference']:.2e}")
+          f"{rec['shrink_seconds']:.4f} s), vs reference {result['vs_reference']:.2e}"
+          + (f", in {len(recs)} recoveries" if len(recs) > 1 else ""))
     assert result["steps"] == 32 and result["world_size"] == left, result   # 4 epochs x 8
     assert result["losses"] == 32 and result["last_step"] == 32, result
     assert result["allclose_reference"], result
-    [record] = result["recovered_records"]
-    assert record["lost_ranks"] == victims and record["step"] == agreed, record
-    lost = ", ".join(map(str, victims))
-    assert re.search(rf"train recovered at step {agreed}: lost world rank\(s\) {lost}, "
-                     rf"going on with {left}", out), out
+    records = result["recovered_records"]
+    assert [r["lost_ranks"] for r in records] == [r["lost_ranks"] for r in recs], records
+    assert all(r["step"] == agreed for r in records), records
+    going = ranks
+    for rec in recs:
+        going -= len(rec["lost_ranks"])
+        lost = ", ".join(map(str, rec["lost_ranks"]))
+        assert re.search(rf"train recovered at step {agreed}: lost world rank\(s\) {lost}, "
+                         rf"going on with {going}", out), out
     if phase == "checkpoint":
         # The interrupted save is done again after the recovery; the one before stays.
         assert kill in result["checkpoints"] and kill - 3 in result["checkpoints"], result
