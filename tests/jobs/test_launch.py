@@ -167,6 +167,7 @@ def test_agent_two_workers_killed_at_once_relaunch_two_fewer(tmp_path):
                           run_reference(tmp_path, [(4, 4), (2, None)], args))
 
 
+@pytest.mark.timing      # the rewrite must land within the dying job's teardown (~0.5 s)
 def test_agent_keeps_a_slot_change_made_while_the_dead_job_ends(tmp_path):
     # Rank 2 dies after step 6; the slots file is rewritten (to 4) as soon as the
     # death is seen, while the dying job is still being torn down: the source has
