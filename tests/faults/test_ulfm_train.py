@@ -266,13 +266,17 @@ def test_a_rank_killed_inside_optimize_is_recovered_exactly(tmp_path, strategy, 
     left = ranks - lose
     # Ranks killed at once are usually found dead together (one recovery); where the
     # runtime notices the second death only after the first shrink, the survivors
-    # recover again, at the same step, from the same copies: still exact.
+    # recover again, at the same step, from the same copies: still exact. (A survivor
+    # may also meet a late failure notice of the broken group after the rebuild and
+    # recover once more losing nobody: seen once in about 10 runs; still exact.)
     recs = result["recoveries"]
-    assert 1 <= len(recs) <= lose, recs
+    losing = [rec for rec in recs if rec["lost_ranks"]]
+    assert 1 <= len(losing) <= lose, recs
     assert sorted(r for rec in recs for r in rec["lost_ranks"]) == victims, recs
     assert recs[-1]["world_size"] == left, recs
     for rec in recs:
         assert rec["step"] == agreed, (rec, kill)
+    for rec in losing:
         assert rec["from"] == ("buddy" if strategy.startswith("zero2") else "survivor"), rec
     rec = recs[0]
     print(f"{strategy} {phase}: recovery {rec['seconds']:.4f} s (shrink+agree "
@@ -285,7 +289,7 @@ def test_a_rank_killed_inside_optimize_is_recovered_exactly(tmp_path, strategy, 
     assert [r["lost_ranks"] for r in records] == [r["lost_ranks"] for r in recs], records
     assert all(r["step"] == agreed for r in records), records
     going = ranks
-    for rec in recs:
+    for rec in losing:
         going -= len(rec["lost_ranks"])
         lost = ", ".join(map(str, rec["lost_ranks"]))
         assert re.search(rf"train recovered at step {agreed}: lost world rank\(s\) {lost}, "
