@@ -67,36 +67,48 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
     steps = _Steps(core, model, feeder, report, saver, recovery, result, callback, stop,
                    max_steps, checkpointing.every)
     if feeder.finished() and continuing and core.config.world.rank == 0:
-        warnings.warn(f"optimize(): nothing to train: epochs={epochs} is a total and "
-                      f"{feeder.epoch} epoch(s) are complete already; pass a larger total "
-                      f"(epochs={feeder.epoch + epochs} for {epochs} more) or call "
-                      f"new_pass() to start again at epoch 0", DataPositionWarning,
-                      stacklevel=3)
+        _warn_nothing_to_train(feeder, epochs)
     report.start(batch_size, feeder.per_epoch)
     try:
-        while True:   # once, and again after each recovery from a lost rank
-            try:
-                steps.run()
-                result.seconds = report.elapsed()
-                saver.save(result.stopped or "end")
-                break
-            except Exception as exc:
-                if not recovery.handles(exc):
-                    raise
-                failure = exc
-            try:
-                event = recovery.recover(failure)
-            except HandOver as over:
-                report.hand_over(over, core.step_count)
-                leave(over)
-            feeder.open(may_change=True)   # the rows re-split over the survivors
-            steps.went_on(event)
+        _run_recovering(steps, saver, recovery, feeder, report, result)
         result.epochs = feeder.epoch
         result.val_loss = report.validation_at_end(core.step_count, model)
         report.end(core.step_count)
     finally:
         report.close()
     return result
+
+
+def _warn_nothing_to_train(feeder: Feeder, epochs: int | None) -> None:
+    """A call whose ``epochs`` total is reached already says so (rank 0)."""
+    warnings.warn(f"optimize(): nothing to train: epochs={epochs} is a total and "
+                  f"{feeder.epoch} epoch(s) are complete already; pass a larger total "
+                  f"(epochs={feeder.epoch + epochs} for {epochs} more) or call "
+                  f"new_pass() to start again at epoch 0", DataPositionWarning,
+                  stacklevel=4)
+
+
+def _run_recovering(steps: _Steps, saver: _Saver, recovery: Recovery, feeder: Feeder,
+                    report: Reporter, result: TrainResult) -> None:
+    """The steps, and again after each recovery from a lost rank (or the hand-over:
+    this rank leaves), then the final save."""
+    while True:
+        try:
+            steps.run()
+            result.seconds = report.elapsed()
+            saver.save(result.stopped or "end")
+            return
+        except Exception as exc:
+            if not recovery.handles(exc):
+                raise
+            failure = exc
+        try:
+            event = recovery.recover(failure)
+        except HandOver as over:
+            report.hand_over(over, steps.core.step_count)
+            leave(over)
+        feeder.open(may_change=True)   # the rows re-split over the survivors
+        steps.went_on(event)
 
 
 def _total_steps(feeder: Feeder, epochs: int | None, max_steps: int | None) -> int | None:
