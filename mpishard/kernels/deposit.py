@@ -232,8 +232,17 @@ def _build_numba() -> SimpleNamespace:
     jit = numba.njit(cache=True, nogil=True)
     # Helpers are inlined into the kernels: no array views or calls per chunk.
     inline = numba.njit(cache=True, nogil=True, inline="always")
-    empty = EMPTY_BIN
+    h = _numba_helpers(jit, inline)
+    h = SimpleNamespace(**vars(h), **vars(_numba_slices(inline, h.power_of_two)))
+    kernels = SimpleNamespace(max_bits=h.max_bits)
+    for build in (_numba_deposits, _numba_sums, _numba_squares):
+        kernels.__dict__.update(vars(build(jit, h)))
+    return kernels
 
+
+def _numba_helpers(jit: Any, inline: Any) -> SimpleNamespace:
+    """The scalar helpers of the Numba kernels (inlined into them) and ``max_bits``."""
+    empty = EMPTY_BIN
     @inline
     def frexp_exponent(bits, shift, unit):
         # math.frexp(v)[1] of the non-negative float v whose bits are ``bits``.
@@ -259,11 +268,6 @@ def _build_numba() -> SimpleNamespace:
                 m = v
         return m
 
-    # Indices inside the per-chunk loops are unsigned: a signed index makes Numba
-    # test it for wrap-around, which stops the loop from vectorising (5x slower).
-    # And no array views per chunk: each costs reference counting (atomics).
-    u = np.uint64
-
     @inline
     def chunk_bits(bits, r, mask, a, n):
         m = 0
@@ -285,7 +289,12 @@ def _build_numba() -> SimpleNamespace:
     def punning():
         bits = np.zeros(1, dtype=np.int64)
         return bits, bits.view(np.float64)
+    return SimpleNamespace(frexp_exponent=frexp_exponent, bin_of_bits=bin_of_bits,
+                           max_bits=max_bits, chunk_bits=chunk_bits,
+                           power_of_two=power_of_two, punning=punning)
 
+def _numba_slices(inline: Any, power_of_two: Any) -> SimpleNamespace:
+    """A chunk of values into its K words, and K words back into values (inlined)."""
     @inline
     def slice_into(src, r, a, n, e, step, words, base, k, pun):
         # Add the K slices of src[r, a:a+n] * 2**e (the chunk's bin) to
@@ -337,6 +346,20 @@ def _build_numba() -> SimpleNamespace:
                 if k == 3:
                     v = v * step + words[2, base + j]
                 out[o + j] = math.ldexp(v, e)
+    return SimpleNamespace(slice_into=slice_into, join_into=join_into)
+
+def _numba_deposits(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
+    """The deposits of a vector, or of rows, into the words."""
+    bin_of_bits = h.bin_of_bits
+    chunk_bits = h.chunk_bits
+    power_of_two = h.power_of_two
+    punning = h.punning
+    slice_into = h.slice_into
+    empty = EMPTY_BIN
+    # Indices inside the per-chunk loops are unsigned: a signed index makes Numba
+    # test it for wrap-around, which stops the loop from vectorising (5x slower).
+    # And no array views per chunk: each costs reference counting (atomics).
+    u = np.uint64
 
     @jit
     def deposit(src, bits, mask, shift, inf, unit, starts, lengths, words, bins, top,
@@ -410,6 +433,22 @@ def _build_numba() -> SimpleNamespace:
                            u(c * width), k, pun)
         return True
 
+    return SimpleNamespace(deposit=deposit, deposit_rows=deposit_rows)
+
+def _numba_sums(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
+    """Words back to floats, and the exact sum of rows in one pass."""
+    bin_of_bits = h.bin_of_bits
+    chunk_bits = h.chunk_bits
+    power_of_two = h.power_of_two
+    punning = h.punning
+    slice_into = h.slice_into
+    join_into = h.join_into
+    empty = EMPTY_BIN
+    # Indices inside the per-chunk loops are unsigned: a signed index makes Numba
+    # test it for wrap-around, which stops the loop from vectorising (5x slower).
+    # And no array views per chunk: each costs reference counting (atomics).
+    u = np.uint64
+
     @jit
     def to_float(words, bins, w, chunk, lo, hi, out):
         k = words.shape[0]
@@ -465,6 +504,13 @@ def _build_numba() -> SimpleNamespace:
                       pun)
         return -1
 
+    return SimpleNamespace(to_float=to_float, exact_sum=exact_sum)
+
+def _numba_squares(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
+    """A shard's squares summed into the norm's words."""
+    power_of_two = h.power_of_two
+    punning = h.punning
+
     @jit
     def square_words(x, e, w, out):
         # The slices of each rounded square at the bin of 2**-e, summed as integers
@@ -490,9 +536,7 @@ def _build_numba() -> SimpleNamespace:
         out[1] = s1
         out[2] = s2
 
-    return SimpleNamespace(deposit=deposit, deposit_rows=deposit_rows, to_float=to_float,
-                           exact_sum=exact_sum,
-                           square_words=square_words, max_bits=max_bits)
+    return SimpleNamespace(square_words=square_words)
 
 
 def _cuda() -> Any:
