@@ -75,16 +75,29 @@ def mpi_env(extra: Mapping[str, str | None] | None = None) -> dict[str, str]:
     return env
 
 
+@functools.cache
+def _mpirun_takes_quiet() -> bool:
+    """Whether ``mpirun`` takes ``-q``: Open MPI 4's does; Open MPI 5's (PRRTE)
+    refuses it as an unrecognized option (exit 213, seen on the GPU machine)."""
+    try:
+        version = subprocess.run(["mpirun", "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "Open MPI" in version and " 4." in version.splitlines()[0]
+
+
 def mpirun_command(n: int, *args: str, quiet: bool = False) -> list[str]:
     """``mpirun <MPISHARD_MPIRUN_FLAGS> -n N <this python> *args``.
 
-    ``quiet`` adds ``-q``: no Open MPI banner about ranks that exit non-zero (for
-    tests of bad input, whose exit code is the point).
+    ``quiet`` adds ``-q`` where ``mpirun`` takes it (Open MPI 4): no banner about
+    ranks that exit non-zero (for tests of bad input, whose exit code is the point).
     """
     if n < 1:
         raise ValueError(f"expecting at least 1 rank, got {n}")
     flags = shlex.split(_mpienv_settings().get("MPISHARD_MPIRUN_FLAGS", "--oversubscribe"))
-    return ["mpirun", *flags, *(["-q"] if quiet else []), "-n", str(n), sys.executable, *args]
+    quiet_flag = ["-q"] if quiet and _mpirun_takes_quiet() else []
+    return ["mpirun", *flags, *quiet_flag, "-n", str(n), sys.executable, *args]
 
 
 class Job(NamedTuple):
