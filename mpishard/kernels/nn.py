@@ -1,5 +1,5 @@
 """The layers' hot path as kernels: bias + activation, layer norm, softmax
-cross-entropy, causal attention's softmax.
+cross-entropy, causal attention's softmax; the embedding's scatter-add.
 
 Each operation is one function here. Its NumPy twin is the layers' reference
 code (a chain of ``xp`` calls into preallocated buffers; it runs for NumPy and,
@@ -13,7 +13,13 @@ until a GPU run has passed their ``gpu`` tests (tests/unit/test_kernels_nn.py).
 
 The fused versions need C-contiguous arrays (the layers' own buffers are);
 given others they fall back to the twin. The matrix products around them stay
-cuBLAS calls. Pure: no MPI.
+cuBLAS calls. The row kernels are compiled with ``--fmad=false``: no multiply
+and add contracted into one rounding the twin does not make.
+
+:func:`scatter_add_rows` is not a choice: on CuPy arrays it is always its
+kernel, since ``cupyx.scatter_add`` adds repeated ids with atomics, in an order
+that changes from run to run (the embedding's gradient, and with it the bits of
+reproducible mode, changed between two runs on an H100). Pure: no MPI.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ __all__ = [
     "gpu_kernels_on",
     "layer_norm_backward",
     "layer_norm_forward",
+    "scatter_add_rows",
     "softmax_cross_entropy",
 ]
 
@@ -271,6 +278,36 @@ def causal_softmax_backward(dp: Any, p: Any, scale: float, rows: Any) -> Any:
     dp -= p
     dp *= scale
     return dp
+
+
+# --- the embedding's scatter-add ---------------------------------------------------------
+
+def scatter_add_rows(out: Any, ids: Any, rows: Any) -> Any:
+    """``out[ids[i]] += rows[i]`` for ``i = 0, 1, ...`` in that order, repeated
+    ids included: ``out`` ``(V, d)``, ``ids`` ``(n,)`` integers in ``[0, V)``,
+    ``rows`` ``(n, d)``. NumPy: ``numpy.add.at``. CuPy: the ids sorted stably,
+    then one thread per element of ``out`` adds its id's rows in ``i`` order
+    (the twin's additions, the twin's bits, the same in every run). Returns
+    ``out``. Local."""
+    xp = _namespace(out)
+    if xp is np:
+        np.add.at(out, ids, rows)
+        return out
+    n = int(ids.shape[0])
+    vocab, d = int(out.shape[0]), int(out.shape[1])
+    if n == 0 or out.size == 0:
+        return out
+    if not out.flags.c_contiguous:
+        raise ValueError("expecting a C-contiguous output table, got a strided view")
+    rows = xp.ascontiguousarray(rows)
+    order = xp.argsort(ids)                      # stable: i order within an id
+    bounds = xp.searchsorted(ids[order], xp.arange(vocab + 1, dtype=ids.dtype))
+    threads = 256
+    _rows_kernel(xp, "ms_scatter_add_rows", out.dtype)(
+        (-(-out.size // threads),), (threads,),
+        (out, rows, order.astype(np.int64, copy=False), bounds.astype(np.int64, copy=False),
+         np.int64(out.size), np.int32(d)))
+    return out
 
 
 # --- the CUDA side ----------------------------------------------------------------------
@@ -521,6 +558,19 @@ extern "C" __global__ void ms_causal_softmax_bwd(
         dp[base + j] = j <= i ? scale * p[base + j] * (dp[base + j] - a) : (T)0;
     }
 }
+
+// out[r, j] += rows[order[k], j] for k in [bounds[r], bounds[r + 1]), k rising:
+// one thread per element of out (scatter_add_rows).
+extern "C" __global__ void ms_scatter_add_rows(
+        T* out, const T* __restrict__ rows, const long long* __restrict__ order,
+        const long long* __restrict__ bounds, const long long size, const int d) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= size) return;
+    const long long r = t / d, j = t - r * d;
+    T acc = out[t];
+    for (long long k = bounds[r]; k < bounds[r + 1]; ++k) acc += rows[order[k] * d + j];
+    out[t] = acc;
+}
 """
 
 _RAW: dict[tuple[int, str, str, str], Any] = {}
@@ -541,5 +591,5 @@ def _rows_kernel(xp: Any, name: str, dtype: Any, label: Any = None) -> Any:
         source = (_ROW_SOURCE.replace("__TYPE__", "float" if dtype.name == "float32"
                                       else "double")
                   .replace("__LABEL__", _LABEL_TYPES[label_name]))
-        kernel = _RAW[key] = xp.RawKernel(source, name)
+        kernel = _RAW[key] = xp.RawKernel(source, name, options=("--fmad=false",))
     return kernel

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import FlatComm
+from ..kernels.nn import scatter_add_rows
 from .base import BatchContext, Layer, finish_gradient, store_gradient
 from .layers import LayerNorm
 from .shards import TensorShard, split_range
@@ -41,7 +42,8 @@ class Embedding(Layer):
     ``init_std`` (0.02, GPT-2's).
 
     The gradient of ``wte`` is a scatter-add of the output gradient over the
-    ids (``numpy.add.at``, ``cupyx.scatter_add``).
+    ids, in the order of the rows on every backend
+    (:func:`mpishard.kernels.nn.scatter_add_rows`: the same bits in every run).
     """
 
     index_input = True
@@ -98,7 +100,7 @@ class Embedding(Layer):
         gte = grads["wte"]
         if scratch is None:
             gte.fill(0)
-        _scatter_add(xp, gte, ids.reshape(-1), dy.reshape(-1, d))
+        scatter_add_rows(gte, ids.reshape(-1), dy.reshape(-1, d))
         # wpe: the sum over the batch, for the positions present.
         gpe = grads["wpe"]
         out = store_gradient(gpe, scratch, "wpe")
@@ -119,16 +121,6 @@ class Embedding(Layer):
 
     def __repr__(self) -> str:
         return f"Embedding({self.vocab_size}, {self.seq_len}, {self.d_model})"
-
-
-def _scatter_add(xp: Any, out: Any, ids: Any, rows: Any) -> None:
-    """``out[ids[i]] += rows[i]`` for every ``i``, repeated ids included."""
-    if xp is np:
-        np.add.at(out, ids, rows)
-    else:
-        import cupyx  # only reached with CuPy arrays, so CuPy is installed
-
-        cupyx.scatter_add(out, ids, rows)
 
 
 def _take_rows(xp: Any, table: Any, ids: Any, out: Any) -> None:

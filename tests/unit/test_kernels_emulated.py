@@ -17,6 +17,7 @@ import ctypes
 import functools
 import shutil
 import subprocess
+import types
 from pathlib import Path
 
 import numpy as np
@@ -154,3 +155,45 @@ def test_causal_softmax(kernels, dtype, t, threads):
     flat = (p2.reshape(n, t)[first:], ds2.reshape(n, t)[first:])
     np.testing.assert_allclose(flat[0], want_p.reshape(n, t)[first:], **tol(dtype))
     np.testing.assert_allclose(flat[1], ds.reshape(n, t)[first:], **tol(dtype))
+
+
+def _c_arg(value):
+    if isinstance(value, np.ndarray):
+        return ptr(value)
+    if isinstance(value, np.int64):
+        return ctypes.c_longlong(int(value))
+    if isinstance(value, np.int32):
+        return ctypes.c_int(int(value))
+    raise TypeError(f"an argument CuPy would not take as is: {value!r}")
+
+
+@pytest.mark.parametrize("dtype", TYPES)
+@pytest.mark.parametrize("vocab, d, n", [(1, 1, 5), (7, 5, 40), (40, 33, 300)])
+def test_scatter_add_rows(kernels, monkeypatch, dtype, vocab, d, n):
+    """The library's host code (a stable argsort, as CuPy's is, the bounds, the
+    launch) and the kernel, against ``numpy.add.at``: the same bits, repeated
+    ids added in row order, ids never seen left alone."""
+    lib = kernels(dtype)
+    fake = types.SimpleNamespace(
+        argsort=lambda a: np.argsort(a, kind="stable"), searchsorted=np.searchsorted,
+        arange=np.arange, ascontiguousarray=np.ascontiguousarray)
+
+    class RawKernel:
+        def __init__(self, source, name, options=()):
+            assert name == "ms_scatter_add_rows" and "--fmad=false" in options
+
+        def __call__(self, grid, block, args):
+            lib.scatter(grid[0], block[0], *map(_c_arg, args))
+
+    fake.RawKernel = RawKernel
+    monkeypatch.setattr(k, "_namespace", lambda a: fake)
+    monkeypatch.setattr(k, "_RAW", {})
+    rng = np.random.default_rng(vocab + n)
+    out = rng.standard_normal((vocab, d)).astype(dtype)
+    ids = rng.integers(0, max(1, vocab - 1), n)          # the last id never seen
+    rows = (rng.standard_normal((n, d)) * np.exp2(rng.integers(-20, 20, (n, d)))).astype(dtype)
+    want = out.copy()
+    np.add.at(want, ids, rows)
+    got = out.copy()
+    assert k.scatter_add_rows(got, ids, rows) is got
+    assert got.tobytes() == want.tobytes()

@@ -232,7 +232,13 @@ def test_fused_layer_norm(cupy_pair, dtype, cols):
     dy = rng.standard_normal((37, cols)).astype(dtype)
     w, b = rng.standard_normal(cols).astype(dtype), rng.standard_normal(cols).astype(dtype)
     twin, fused = both(lambda xp: run_layer_norm(xp, x, w, b, 1e-5, dy.copy()))
-    assert_pairs(twin, fused, dtype)
+    # The input gradient g - mean(g) - xhat * mean(g * xhat) cancels: its two means,
+    # summed over 1000 float32 columns in another order than the twin's, move it by
+    # up to about 1e-5 (seen on an H100: 2.2e-6 at a value of 0.04); float32 gets the
+    # emulated test's 2e-5 (tests/unit/test_kernels_emulated.py).
+    for a, c in zip(twin, fused):
+        np.testing.assert_allclose(c, a, **(tol(dtype) if dtype == np.float64
+                                            else {"rtol": 2e-5, "atol": 2e-5}))
 
 
 @pytest.mark.gpu
@@ -293,3 +299,25 @@ def test_fused_kernels_train_an_mlp_and_a_gpt_as_the_twins_do(cupy_pair, dtype):
         scale = np.abs(a).max()
         np.testing.assert_allclose(b, a, rtol=0, atol=scale * (1e-4 if dtype == np.float32
                                                                else 1e-10))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("id_dtype", [np.int64, np.int32])
+def test_scatter_add_rows_on_the_device_is_numpys_add_at(dtype, id_dtype):
+    """The embedding's scatter-add on CuPy arrays: numpy.add.at's bits (repeated
+    ids added in row order), in every run (cupyx.scatter_add's atomics were not)."""
+    from backends import cupy_or_skip as _cupy_or_skip
+
+    cp = _cupy_or_skip()
+    rng = np.random.default_rng(9)
+    vocab, d, n = 50, 33, 4000
+    out = rng.standard_normal((vocab, d)).astype(dtype)
+    ids = rng.integers(0, vocab - 1, n).astype(id_dtype)      # the last id never seen
+    rows = (rng.standard_normal((n, d)) * np.exp2(rng.integers(-20, 20, (n, d)))).astype(dtype)
+    want = out.copy()
+    np.add.at(want, ids, rows)
+    for _ in range(3):
+        got = cp.asarray(out)
+        k.scatter_add_rows(got, cp.asarray(ids), cp.asarray(rows))
+        assert cp.asnumpy(got).tobytes() == want.tobytes()
