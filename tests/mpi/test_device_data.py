@@ -14,6 +14,7 @@ code path through ``xp`` here.
 from __future__ import annotations
 
 import functools
+import gc
 
 import numpy as np
 import pytest
@@ -78,6 +79,16 @@ def sampled_batches(x: np.ndarray, y: np.ndarray, seed: int = 0):
         sampler.advance()
 
 
+def data_parallel(name: str, xp, config, **options):
+    """``STRATEGIES[name]`` for a model on ``xp``. ZeRO-2's ring sums host arrays:
+    on CuPy it is refused on every rank (test_the_ring_refuses_device_arrays), so a
+    CuPy case of it has nothing to train."""
+    if name == "zero2-ring" and xp is not np:
+        pytest.skip("reduce_method='ring' sums host (NumPy) arrays; on CuPy it is "
+                    "refused (test_the_ring_refuses_device_arrays)")
+    return STRATEGIES[name](make_opt(), config, **options)
+
+
 def strategy_for(name: str, model):
     config = ShardingConfiguration(WORLD)
     if name == "hybrid":
@@ -85,7 +96,7 @@ def strategy_for(name: str, model):
         sharded = HybridShardedModel(functools.partial(model_on, model.xp), config)
         return sharded, HybridShardedOptimizer(make_opt(), config, data_parallel="zero2",
                                                model=sharded)
-    return model, STRATEGIES[name](make_opt(), config, bucket_mb=1e-4)
+    return model, data_parallel(name, model.xp, config, bucket_mb=1e-4)
 
 
 ALL = [*STRATEGIES, "hybrid"]
@@ -196,7 +207,7 @@ def test_hdf5_file(xp, strategy, tmp_path_factory):
         ref.forward_backward(bx, by)
         opt.update(ref.params, ref.grads, state, step, opt.lr)
     model = mse(xp)
-    dist = STRATEGIES[strategy](make_opt(), ShardingConfiguration(WORLD))
+    dist = data_parallel(strategy, xp, ShardingConfiguration(WORLD))
     with HDF5Dataset(path, "/x", "/y", comm=dist.config.world) as data:
         dist.optimize(model, data, epochs=EPOCHS, batch_size=BATCH)
     check(model, ref.params)
@@ -232,7 +243,7 @@ def test_row_mover_casts_and_reuses_its_buffers(xp):
 @pytest.mark.parametrize("kernels", ["0", "1"])
 @pytest.mark.parametrize("model_name", ["mlp", "gpt"])
 def test_no_allocation_in_the_step_loop(strategy, kernels, model_name, monkeypatch):
-    """CuPy's memory pool holds the same bytes after step 3 as after step 30:
+    """CuPy's memory pool holds no more bytes after step 30 than after step 3:
     nothing is allocated and kept in the step loop (host data, device model)."""
     from backends import cupy_or_skip as _cupy_or_skip
 
@@ -256,8 +267,27 @@ def test_no_allocation_in_the_step_loop(strategy, kernels, model_name, monkeypat
     def record(step, loss):
         if step in (3, 30):
             cp.cuda.get_current_stream().synchronize()
+            gc.collect()        # what only the cyclic collector frees is not kept
             used[step] = pool.used_bytes()
 
-    dist = STRATEGIES[strategy](make_opt(), ShardingConfiguration(WORLD), bucket_mb=0.01)
+    dist = data_parallel(strategy, cp, ShardingConfiguration(WORLD), bucket_mb=0.01)
     dist.optimize(model, (x, y), epochs=1, batch_size=32, callback=record)
-    assert set(used) == {3, 30} and used[3] == used[30], used
+    # Nothing kept: no more bytes in use after step 30 than after step 3. (On an
+    # H100 some runs of the GPT at 2 ranks held 4.7 MB more at step 3 than at 30:
+    # a transient of the first steps, not kept.)
+    assert set(used) == {3, 30} and used[30] <= used[3], used
+
+
+@pytest.mark.gpu
+def test_the_ring_refuses_device_arrays():
+    """ZeRO-2's reduce_method="ring" adds host (NumPy) buffers: a CuPy model is an
+    error naming both, raised on every rank (no rank left waiting)."""
+    from backends import cupy_or_skip as _cupy_or_skip
+
+    cp = _cupy_or_skip()
+    x, y = make_data()
+    dist = STRATEGIES["zero2-ring"](make_opt(), ShardingConfiguration(WORLD))
+    with pytest.raises(ValueError, match=r"reduce_method='ring' sums host \(NumPy\) arrays, "
+                                         "got CuPy ones"):
+        dist.optimize(model_on(cp), (x, y), epochs=1, batch_size=BATCH)
+    WORLD.Barrier()

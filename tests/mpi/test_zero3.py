@@ -12,6 +12,7 @@ same SHA-256).
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import math
 
@@ -528,7 +529,7 @@ def test_on_the_device_matches_one_process(gathers):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gathers", GATHERS)
-def test_device_memory_pool_holds_the_same_bytes_after_step_3_and_30(gathers):
+def test_device_memory_pool_holds_no_more_bytes_after_step_30_than_3(gathers):
     from backends import cupy_or_skip as _cupy_or_skip
 
     cp = _cupy_or_skip()
@@ -542,12 +543,16 @@ def test_device_memory_pool_holds_the_same_bytes_after_step_3_and_30(gathers):
     def record(step, loss):
         if step in (3, 30):
             cp.cuda.get_current_stream().synchronize()
+            gc.collect()        # what only the cyclic collector frees is not kept
             used[step] = pool.used_bytes()
 
     dist = ZeRO3Optimizer(AdamW(lr=1e-3), ShardingConfiguration(WORLD), bucket_mb=0.01,
                           **GATHERS[gathers])
     dist.optimize(model, (x, y), epochs=1, batch_size=32, callback=record)
-    assert set(used) == {3, 30} and used[3] == used[30], used
+    # Nothing kept: no more bytes in use after step 30 than after step 3. (On an
+    # H100 some runs held more at step 3 than at step 30, 35 MB against 16.5, with
+    # the same bytes at 30 in every run: a transient of the first steps, not kept.)
+    assert set(used) == {3, 30} and used[30] <= used[3], used
 
 
 # --- 3D: ZeRO-2's bits, and reproducible mode's ----------------------------------------------
