@@ -3,14 +3,16 @@
 ``MPISHARD_KERNELS`` (read once per process) says it for every kernel:
 
 * ``auto`` (the default): fused where a fused version exists for the array's
-  library and has been checked on that kind of device (Numba on the CPU when it
-  imports, for arrays of at least :data:`FUSED_MIN_ELEMENTS`; CuPy kernels on a
-  GPU once ``MPISHARD_GPU_KERNELS=1`` opts in, see below), else the NumPy twin;
+  library (Numba on the CPU when it imports, for arrays of at least
+  :data:`FUSED_MIN_ELEMENTS`; the CuPy kernels on a GPU unless
+  ``MPISHARD_GPU_KERNELS=0``, see below), else the NumPy twin;
 * ``reference``: always the NumPy twin (the bits of the reference path; slower);
 * ``fused``: the fused version wherever one exists (an error where it cannot run).
 
-The CuPy kernels stay behind ``MPISHARD_GPU_KERNELS=1`` until a run on a GPU has
-passed the ``gpu`` tests with them; ``auto`` then uses them by default.
+The CuPy kernels are on by default since they passed the ``gpu`` tests on an
+NVIDIA H100 (``scripts/gpu-check.sh``, 2026-11-26); ``MPISHARD_GPU_KERNELS=0``
+turns them off (the twin's chain of CuPy calls), for a comparison or a device
+where they misbehave.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def numba_available() -> bool:
 
 
 def _gpu_opted_in() -> bool:
-    return os.environ.get("MPISHARD_GPU_KERNELS", "0").strip() not in ("", "0")
+    return os.environ.get("MPISHARD_GPU_KERNELS", "1").strip() not in ("", "0")
 
 
 def fused_on(xp: ModuleType, elements: int | None = None) -> bool:

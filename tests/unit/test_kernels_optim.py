@@ -9,6 +9,7 @@ implementation: tests/mpi/test_kernels_strategies.py.
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 import pytest
@@ -233,6 +234,27 @@ def test_bad_mode_names_the_choices(monkeypatch):
     try:
         with pytest.raises(ValueError, match="auto, reference, fused, got 'fast'"):
             kernel_mode()
+    finally:
+        monkeypatch.undo()
+        kernel_mode.cache_clear()
+
+
+def test_gpu_kernels_are_on_unless_turned_off(monkeypatch):
+    """CuPy arrays run the CUDA kernels by default (they passed the gpu tests on an
+    H100); MPISHARD_GPU_KERNELS=0 or MPISHARD_KERNELS=reference turns them off."""
+    device = types.ModuleType("cupy")               # any namespace that is not NumPy
+    monkeypatch.delenv("MPISHARD_GPU_KERNELS", raising=False)
+    monkeypatch.setenv("MPISHARD_KERNELS", "auto")
+    kernel_mode.cache_clear()
+    try:
+        assert select.fused_on(device)
+        monkeypatch.setenv("MPISHARD_GPU_KERNELS", "0")
+        assert not select.fused_on(device)
+        monkeypatch.setenv("MPISHARD_GPU_KERNELS", "1")
+        assert select.fused_on(device)
+        monkeypatch.setenv("MPISHARD_KERNELS", "reference")
+        kernel_mode.cache_clear()
+        assert not select.fused_on(device)
     finally:
         monkeypatch.undo()
         kernel_mode.cache_clear()
