@@ -4,6 +4,7 @@
 #   bash scripts/gpu-check.sh            # everything (about 5 minutes on an H100)
 #   bash scripts/gpu-check.sh --no-bench # the tests and the job only
 #   bash scripts/gpu-check.sh --bench-only
+#   bash scripts/gpu-check.sh --kernels 1 # the tests with the fused kernels on only
 #
 # Needs Python 3 with CuPy and NumPy (PyTorch for the comparison, h5py for the
 # HDF5 tests); no network. What is missing of MPI is installed from the wheels in
@@ -12,21 +13,28 @@
 # (a .pth file), $GPU_CHECK_VENV (default /tmp/mpishard-gpu-venv).
 #
 # Then, each printing one JSON line: the tests marked gpu at 1 and 2 ranks, with
-# the fused CUDA kernels off and on (MPISHARD_GPU_KERNELS=0/1); the tests marked
-# gpu that start their own jobs; `mpishard train --device cuda` on 2 ranks (both
-# examples, a few steps); benchmarks/bench_gpu.py against PyTorch eager at 1 and
-# 2 ranks, and benchmarks/bench_reproducible.py --device cuda (reproducible mode
-# against the default step) at 1 and 2 ranks (their own JSON lines). Logs go to
+# the fused CUDA kernels off and on (MPISHARD_GPU_KERNELS=0/1, or the modes
+# --kernels names); the tests marked gpu that start their own jobs; `mpishard
+# train --device cuda` on 2 ranks (both examples, a few steps);
+# benchmarks/bench_reproducible.py --device cuda (reproducible mode against the
+# default step) at 1 and 2 ranks, and benchmarks/bench_gpu.py against PyTorch
+# eager at 1 and 2 ranks (their own JSON lines). Logs go to
 # $GPU_CHECK_LOGS (default /tmp/mpishard-gpu-check). Exit code: 0 when every
 # check passed, 1 when one failed, 2 for bad arguments, 3 when no GPU is seen.
 set -uo pipefail
 
-usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
-tests=1 bench=1
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+tests=1 bench=1 kernel_modes="0 1"
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) bench=0 ;;
     --bench-only) tests=0 ;;
+    --kernels)
+      shift
+      case "${1:-}" in
+        0|1|"0 1"|"1 0"|0,1|1,0) kernel_modes=${1//,/ } ;;
+        *) echo "gpu-check.sh: --kernels takes 0, 1 or 0,1, got '${1:-}'" >&2; exit 2 ;;
+      esac ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu-check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -110,7 +118,7 @@ run_check() {  # run_check NAME LOG COMMAND...: one JSON line from pytest's summ
 }
 
 if [ "$tests" = 1 ]; then
-  for kernels in 0 1; do
+  for kernels in $kernel_modes; do
     export MPISHARD_GPU_KERNELS=$kernels
     run_check "gpu-tests-1-rank-kernels-$kernels" "$logs/tests-1-$kernels.log" \
       timeout 300 "${mpirun[@]}" -n 1 "$py" -m pytest -q -p no:cacheprovider --with-mpi \
@@ -131,6 +139,20 @@ if [ "$tests" = 1 ]; then
 fi
 
 if [ "$bench" = 1 ]; then
+  # Reproducible mode against the default step on the GPU (issue 22): the deposit's
+  # CUDA kernels at 1 and 2 ranks, the twin's CuPy calls at 1 rank beside them, and
+  # one unit per rank (--unit-rows rank) at 1 and 2 ranks.
+  for spec in "1 1" "2 1" "1 0" "1 1 rank" "2 1 rank"; do
+    set -- $spec
+    tag="$1-$2${3:+-$3}"
+    t0=$(date +%s)
+    MPISHARD_GPU_KERNELS=$2 timeout 240 "${mpirun[@]}" -n "$1" "$py" \
+      benchmarks/bench_reproducible.py --device cuda --models small gpt --dtypes float32 \
+      --rounds 5 ${3:+--unit-rows "$3"} 2>"$logs/bench-repro-$tag.err" \
+      | tee "$logs/bench-repro-$tag.jsonl" \
+      || { failed=1; json "bench-reproducible-$tag" 0 $(( $(date +%s) - t0 )) \
+      "see $logs/bench-repro-$tag.err"; }
+  done
   t0=$(date +%s)
   timeout 240 "${mpirun[@]}" -n 1 "$py" benchmarks/bench_gpu.py --torch 2>"$logs/bench-1.err" \
     | tee "$logs/bench-1.jsonl" || { failed=1; json bench-1-rank 0 $(( $(date +%s) - t0 )) \
@@ -139,17 +161,6 @@ if [ "$bench" = 1 ]; then
   timeout 180 "${mpirun[@]}" -n 2 "$py" benchmarks/bench_gpu.py 2>"$logs/bench-2.err" \
     | tee "$logs/bench-2.jsonl" || { failed=1; json bench-2-ranks 0 $(( $(date +%s) - t0 )) \
     "see $logs/bench-2.err"; }
-  # Reproducible mode against the default step on the GPU (issue 22): the deposit's
-  # CUDA kernels at 1 and 2 ranks, the twin's CuPy calls at 1 rank beside them.
-  for spec in "1 1" "2 1" "1 0"; do
-    set -- $spec
-    t0=$(date +%s)
-    MPISHARD_GPU_KERNELS=$2 timeout 240 "${mpirun[@]}" -n "$1" "$py" \
-      benchmarks/bench_reproducible.py --device cuda --models small gpt --dtypes float32 \
-      --rounds 5 2>"$logs/bench-repro-$1-$2.err" | tee "$logs/bench-repro-$1-$2.jsonl" \
-      || { failed=1; json "bench-reproducible-$1-kernels-$2" 0 $(( $(date +%s) - t0 )) \
-      "see $logs/bench-repro-$1-$2.err"; }
-  done
 fi
 
 json gpu-check "$([ $failed = 0 ] && echo 1 || echo 0)" $(( $(date +%s) - t_start )) \
