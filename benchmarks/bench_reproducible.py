@@ -32,9 +32,9 @@ mode), ``conversion`` (the binned sum back to floats), ``optimizer`` and
 ``gather`` (ZeRO-2's parameter Allgatherv).
 
 ``--device cuda`` puts models and batches on each rank's GPU (CuPy); the deposit
-runs as the CUDA kernels of ``mpishard.kernels.deposit_cuda`` with
-``MPISHARD_GPU_KERNELS=1`` (``kernels`` in the record), else as the NumPy twin's
-CuPy calls. ``scripts/gpu-check.sh`` runs it so.
+runs as the CUDA kernels of ``mpishard.kernels.deposit_cuda`` (the default;
+``kernels`` in the record), or with ``MPISHARD_GPU_KERNELS=0`` as the NumPy
+twin's CuPy calls. ``scripts/gpu-check.sh`` runs it so.
 
 Set OMP_NUM_THREADS (the script defaults it to cores / ranks) so ranks do not
 fight over cores.

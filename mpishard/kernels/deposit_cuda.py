@@ -9,12 +9,12 @@ twin's, operation for operation, in float64 (``--fmad=false``: no contraction
 changes a rounding; the conversion's multiply by a power of two and its ``ldexp``
 round as NumPy's), so the words, bins and results are the twin's bits.
 
-Not run on a GPU yet: ``tests/unit/test_kernels_deposit.py``'s ``gpu`` test compares
-them with the twin there; ``tests/unit/test_kernels_deposit_emulated.py`` runs this
-source on the CPU (threads for a block's threads) against the twin. Reached only
-where :func:`mpishard.kernels.select.fused_on` says so for CuPy arrays (the
-``MPISHARD_GPU_KERNELS=1`` opt-in). Pure: no MPI; CuPy is never imported here,
-its arrays bring their module.
+``tests/unit/test_kernels_deposit.py``'s ``gpu`` test compares them with the twin
+on a device (passed on an NVIDIA H100); ``tests/unit/test_kernels_deposit_emulated.py``
+runs this source on the CPU (threads for a block's threads) against the twin.
+Reached where :func:`mpishard.kernels.select.fused_on` says so for CuPy arrays
+(by default; ``MPISHARD_GPU_KERNELS=0`` turns them off). Pure: no MPI; CuPy is
+never imported here, its arrays bring their module.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ kernel per pass over the data, written for CuPy (``ElementwiseKernel`` for the
 elementwise maps, ``RawKernel`` with one thread block per row for the row
 reductions), compiled at its first call and cached (in the process, and by
 CuPy on disk). Which runs is :func:`mpishard.kernels.select.fused_on`'s choice
-for the array's library: the CuPy kernels stay behind ``MPISHARD_GPU_KERNELS=1``
-until a GPU run has passed their ``gpu`` tests (tests/unit/test_kernels_nn.py).
+for the array's library: the CuPy kernels are on by default since they passed
+their ``gpu`` tests on an H100 (tests/unit/test_kernels_nn.py);
+``MPISHARD_GPU_KERNELS=0`` turns them off.
 
 The fused versions need C-contiguous arrays (the layers' own buffers are);
 given others they fall back to the twin. The matrix products around them stay
