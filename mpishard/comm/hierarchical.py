@@ -38,7 +38,7 @@ from ..flat import shard_ranges
 from .communicator import FlatComm, Handle
 from .nodes import NodeMap
 from .ring import RING_MIN_ELEMENTS, RingComm
-from .timing import reduce_once, time_alternatives
+from .timing import agree_on_faster, reduce_once, time_alternatives
 
 __all__ = ["REDUCTIONS", "HierarchicalComm", "choose"]
 
@@ -289,7 +289,8 @@ def _pack_plan(counts: list[int], rank_at: dict[tuple[int, int], int], nodes: in
 def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "allreduce",
            record: dict[str, Any] | None = None, repeats: int = 3,
            nodes: NodeMap | None = None, blocking: bool = False,
-           margin: float = 0.1, ring: bool = True) -> FlatComm | HierarchicalComm | RingComm:
+           margin: float = 0.1, ring: bool = True,
+           agree: FlatComm | None = None) -> FlatComm | HierarchicalComm | RingComm:
     """The fastest reduction communicator for buckets of ``elements``: ``group``
     itself, a :class:`HierarchicalComm` over it or a
     :class:`~mpishard.comm.ring.RingComm` over it, measured, not assumed.
@@ -308,19 +309,26 @@ def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "all
     (NumPy) buffers of at least :data:`~mpishard.comm.ring.RING_MIN_ELEMENTS`,
     and not with ``ring=False`` (ZeRO-2, whose ``reduce_method`` chooses it).
     ``record`` receives ``{"choice", "flat", "hierarchical", "ring", "levels"}``
-    (seconds, None for a way not tried). Collective over ``group``.
+    (seconds, None for a way not tried). ``agree`` (the training group of a 3D
+    layout, whose data groups hold copies of the replicated tensors) makes the
+    choice alike over it, from every group's times
+    (:func:`~mpishard.comm.timing.agree_on_faster`); then every rank of ``agree``
+    calls this, ``elements`` 0 where a stage has nothing to reduce. Collective
+    over ``group`` (and ``agree``).
     """
     if kind not in ("allreduce", "reduce_scatter"):
         raise ValueError(f"kind must be 'allreduce' or 'reduce_scatter', got {kind!r}")
     info: dict[str, Any] = {"choice": "flat", "flat": None, "hierarchical": None,
                             "ring": None}
-    if group.size == 1:
+    if group.size == 1:    # the data groups of a job are alike: none agrees then
         info["levels"] = "one rank"
         if record is not None:
             record.update(info)
         return group
     ways: dict[str, Any] = {"flat": group}
-    if nodes is not None and nodes.nodes == 1:
+    if elements <= 0:
+        info["levels"] = "nothing to reduce"
+    elif nodes is not None and nodes.nodes == 1:
         info["levels"] = "one node"
     else:
         hier = HierarchicalComm(group)
@@ -331,13 +339,18 @@ def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "all
             hier.free()
     if ring and xp is np and elements >= RING_MIN_ELEMENTS:
         ways["ring"] = RingComm(group)
+    times: dict[str, float] = {}
     if len(ways) > 1:
         buf = xp.zeros(max(elements, group.size), dtype=dtype)
         counts = _counts(buf.size, group.size)
         recv = xp.zeros(counts[group.rank], dtype=dtype)
-        info.update(time_alternatives(
+        times = time_alternatives(
             group, {way: (lambda c=c: reduce_once(c, kind, blocking, buf, recv, counts))
-                    for way, c in ways.items()}, repeats))
+                    for way, c in ways.items()}, repeats)
+        info.update(times)
+    if agree is not None:
+        info["choice"] = agree_on_faster(agree, times, "flat", ("hierarchical", "ring"), margin)
+    elif times:
         best = min((w for w in ways if w != "flat"), key=lambda w: (info[w], w))
         if info[best] < (1 - margin) * info["flat"]:
             info["choice"] = best

@@ -14,7 +14,7 @@ from typing import Any
 
 from .communicator import FlatComm
 
-__all__ = ["agree_on_fastest", "reduce_once", "time_alternatives"]
+__all__ = ["agree_on_fastest", "agree_on_faster", "reduce_once", "time_alternatives"]
 
 
 def time_alternatives(group: FlatComm, ways: dict[str, Callable[[], Any]],
@@ -56,6 +56,30 @@ def agree_on_fastest(group: FlatComm, times: dict[str, Any], ways: tuple[str, ..
     if not measured:
         return default
     return min(measured, key=lambda way: (slowest[way], way))
+
+
+
+def agree_on_faster(group: FlatComm, times: dict[str, Any], default: str,
+                    alternatives: tuple[str, ...], margin: float) -> str:
+    """``default``, or the alternative whose slowest time over ``group`` beats the
+    slowest ``default`` by ``margin``; the same on every rank.
+
+    For :func:`mpishard.comm.hierarchical.choose` in a 3D layout, whose data
+    groups measure flat against two levels separately but must choose alike. A
+    rank that measured nothing (a stage without parameters) passes an empty
+    ``times`` and does not count; an alternative is a candidate only where every
+    rank that measured had it (the choice is made on every rank). Collective over
+    ``group``.
+    """
+    measured = group.allreduce_scalar(1.0 if times else 0.0, op="sum")
+    base = group.allreduce_scalar(float(times.get(default) or 0.0), op="max")
+    best, best_time = default, float("inf")
+    for way in alternatives:
+        held = group.allreduce_scalar(1.0 if way in times else 0.0, op="sum")
+        slowest = group.allreduce_scalar(float(times.get(way) or 0.0), op="max")
+        if measured and held == measured and (slowest, way) < (best_time, best):
+            best, best_time = way, slowest
+    return best if best != default and best_time < (1 - margin) * base else default
 
 
 def reduce_once(comm: Any, kind: str, blocking: bool, buf: Any, recv: Any,

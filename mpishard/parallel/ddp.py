@@ -57,14 +57,19 @@ class DDPCore(DataParallelCore):
         self.reduction_timings: dict[str, Any] = {}
         # (Without buckets, a stage with no parameters, there is nothing to measure.)
         largest = self.buckets.largest
-        # The ring only where the data group is the whole job: in a 3D layout each
-        # data group would choose by its own timing, and on 3 or more ranks the ring
-        # adds in another order than MPI, so the replicated tensors' copies would drift.
+        # In a 3D layout the data groups hold copies of the replicated tensors: flat
+        # or two levels is chosen alike over the job (a stage without buckets takes
+        # part), and the ring is not tried (on 3 or more ranks it adds in another
+        # order than MPI; each group would choose it by its own timing).
         groups = self.config.groups
-        self.reducer = self.dp if self.config.reproducible or not largest else choose_reduction(
-            self.dp, largest, dtype, xp,
-            blocking=not self.bucketed, nodes=groups.nodes,
-            record=self.reduction_timings, ring=groups.dp.size == groups.world.size)
+        whole = groups.dp.size == groups.world.size
+        if self.config.reproducible or (whole and not largest):
+            self.reducer = self.dp
+        else:
+            self.reducer = choose_reduction(
+                self.dp, largest, dtype, xp, blocking=not self.bucketed, nodes=groups.nodes,
+                record=self.reduction_timings, ring=whole,
+                agree=None if whole else groups.world)
 
     def _release(self) -> None:
         reducer = getattr(self, "reducer", None)

@@ -150,7 +150,12 @@ class ZeRO2Core(DataParallelCore):
         # then across) where that measured faster at this bucket size.
         self._release()   # attached before
         self.reduction_timings: dict[str, Any] = {}
-        if self.config.reproducible or not largest:
+        # Flat or two levels: chosen alike over the job in a 3D layout (the data
+        # groups hold copies of the replicated tensors; a stage without buckets
+        # takes part).
+        groups = self.config.groups
+        whole = groups.dp.size == groups.world.size
+        if self.config.reproducible or (not largest and (whole or self.reduce_method == "ring")):
             self.reducer = dp
         elif self.reduce_method == "ring":
             self.reducer = RingComm(dp)
@@ -159,8 +164,9 @@ class ZeRO2Core(DataParallelCore):
             self.reducer = choose_reduction(
                 dp, largest, dtype, xp,
                 kind="allreduce" if self.reduce_method == "allreduce" else "reduce_scatter",
-                blocking=not self.bucketed, nodes=self.config.groups.nodes,
-                record=self.reduction_timings, ring=False)   # the ring: reduce_method's
+                blocking=not self.bucketed, nodes=groups.nodes,
+                record=self.reduction_timings, ring=False,   # the ring: reduce_method's
+                agree=None if whole else groups.world)
 
     def _release(self) -> None:
         reducer = getattr(self, "reducer", None)

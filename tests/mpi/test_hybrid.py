@@ -229,3 +229,57 @@ def test_data_groups_agree_on_the_reduce_method(monkeypatch):
     assert whole
     for name, a, b in zip(whole, mine, other):
         np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.layout3d
+@pytest.mark.parametrize("data_parallel", ["ddp", "zero2"])
+@pytest.mark.parametrize("favoured", ["by-tensor-rank", "hierarchical"])
+def test_data_groups_agree_on_flat_or_two_levels(monkeypatch, data_parallel, favoured):
+    """Flat or two levels across nodes is measured in each data group but chosen
+    alike over the job (the tensor ranks' data groups hold copies of the
+    replicated tensors). One node stands in for several (the two levels forced,
+    the node map left out) and the measurement favours two levels on tensor rank 0
+    and flat on rank 1 (before: each group took its own), or two levels on both
+    (then every rank reduces in two levels, and the copies stay equal)."""
+    if WORLD % 2 or WORLD < 4:
+        pytest.skip(f"tp 2 leaves data groups of one rank (nothing to choose) or does not "
+                    f"divide a world of {WORLD}")
+    from layouts import hybrid, mlp_data
+
+    import mpishard.comm.hierarchical as hier
+    import mpishard.parallel.ddp as ddp
+    import mpishard.parallel.zero2 as zero2
+
+    tp = ShardingConfiguration(MPI.COMM_WORLD, tensor_parallel_size=2).groups.coordinates.tp
+
+    class TwoLevels(hier.HierarchicalComm):
+        def __init__(self, group):
+            super().__init__(group)
+            self.two_levels = self.usable and self.per_node > 1
+
+    real_choose, real_times = hier.choose, hier.time_alternatives
+
+    def choose(*args, **kwargs):
+        return real_choose(*args, **{**kwargs, "nodes": None})
+
+    def skewed(group, ways, repeats):
+        times = real_times(group, ways, repeats)
+        fast = "hierarchical" if favoured == "hierarchical" or tp == 0 else "flat"
+        return {way: (1.0 if way == fast else 2.0) for way in times}
+
+    monkeypatch.setattr(hier, "HierarchicalComm", TwoLevels)
+    monkeypatch.setattr(hier, "time_alternatives", skewed)
+    for module in (ddp, zero2):
+        monkeypatch.setattr(module, "choose_reduction", choose)
+    options = {"reduce_method": "reduce_scatter"} if data_parallel == "zero2" else {}
+    model, opt = hybrid(MPI.COMM_WORLD, 2, 1, data_parallel, **options)
+    opt.optimize(model, mlp_data(), epochs=2, batch_size=16)
+    every = MPI.COMM_WORLD.allgather(opt.core.reduction_timings["choice"])
+    want = "hierarchical" if favoured == "hierarchical" else "flat"
+    assert every == [want] * MPI.COMM_WORLD.size, every
+    whole = sorted(name for name, shard in model.tensor_shards().items() if shard.replicated)
+    mine = [model.layout.view(model.params, name).copy() for name in whole]
+    other = model.config.groups.tp.bcast(mine, root=0)
+    assert whole
+    for name, a, b in zip(whole, mine, other):
+        np.testing.assert_array_equal(a, b, err_msg=name)
