@@ -2,6 +2,7 @@
 ``ElasticOptimizer`` and ``mpishard train``: feeding, reporting and the step loop,
 its option groups, its result, stop requests and evaluation."""
 
+from .._deprecated import forward_names
 from .evaluate import evaluate
 from .loop import run_training
 from .options import Checkpointing, Reporting, Sampling
@@ -26,14 +27,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    # 0.4 exported the elastic optimizer here; it lives in mpishard.strategies now.
-    if name in ("ElasticOptimizer", "BATCH_POLICIES"):
-        import warnings
-
-        from ..strategies import elastic
-
-        warnings.warn(f"mpishard.train.{name} is deprecated and goes in 0.6: use "
-                      f"mpishard.strategies.{name}", DeprecationWarning, stacklevel=2)
-        return getattr(elastic, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# 0.4 exported the elastic optimizer here; it lives in mpishard.strategies now
+# (a layer above, named by its path).
+__getattr__ = forward_names(__name__, {name: ("mpishard.strategies.elastic", name)
+                                       for name in ("ElasticOptimizer", "BATCH_POLICIES")})
