@@ -197,6 +197,17 @@ def test_checkpoint_across_layouts_continues(writer, reader, tmp_path_factory):
     world.Barrier()
 
 
+def assert_replicated_tensors_equal(model) -> None:
+    """The replicated tensors (biases, norms: whole on every tensor rank) are equal,
+    bit for bit, on every tensor rank. Collective over the tensor group."""
+    whole = sorted(name for name, shard in model.tensor_shards().items() if shard.replicated)
+    mine = [model.layout.view(model.params, name).copy() for name in whole]
+    other = model.config.groups.tp.bcast(mine, root=0)
+    assert whole
+    for name, a, b in zip(whole, mine, other):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 def test_data_groups_agree_on_the_reduce_method(monkeypatch):
     """ZeRO-2's reduce_method='auto' is measured in each data group but chosen alike
     over the job: the tensor ranks' data groups hold copies of the replicated
@@ -222,13 +233,7 @@ def test_data_groups_agree_on_the_reduce_method(monkeypatch):
     opt.optimize(model, mlp_data(), epochs=2, batch_size=16)
     every = MPI.COMM_WORLD.allgather(opt.core.reduce_method)
     assert len(set(every)) == 1, every
-    # The replicated tensors (whole on every tensor rank) are equal on both tensor ranks.
-    whole = sorted(name for name, shard in model.tensor_shards().items() if shard.replicated)
-    mine = [model.layout.view(model.params, name).copy() for name in whole]
-    other = model.config.groups.tp.bcast(mine, root=0)
-    assert whole
-    for name, a, b in zip(whole, mine, other):
-        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert_replicated_tensors_equal(model)
 
 
 @pytest.mark.layout3d
@@ -277,9 +282,4 @@ def test_data_groups_agree_on_flat_or_two_levels(monkeypatch, data_parallel, fav
     every = MPI.COMM_WORLD.allgather(opt.core.reduction_timings["choice"])
     want = "hierarchical" if favoured == "hierarchical" else "flat"
     assert every == [want] * MPI.COMM_WORLD.size, every
-    whole = sorted(name for name, shard in model.tensor_shards().items() if shard.replicated)
-    mine = [model.layout.view(model.params, name).copy() for name in whole]
-    other = model.config.groups.tp.bcast(mine, root=0)
-    assert whole
-    for name, a, b in zip(whole, mine, other):
-        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert_replicated_tensors_equal(model)
