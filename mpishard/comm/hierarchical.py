@@ -325,6 +325,32 @@ def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "all
         if record is not None:
             record.update(info)
         return group
+    ways = _candidates(group, elements, xp, nodes, ring, info)
+    times: dict[str, float] = {}
+    if len(ways) > 1:
+        buf = xp.zeros(max(elements, group.size), dtype=dtype)
+        counts = _counts(buf.size, group.size)
+        recv = xp.zeros(counts[group.rank], dtype=dtype)
+        times = time_alternatives(
+            group, {way: (lambda c=c: reduce_once(c, kind, blocking, buf, recv, counts))
+                    for way, c in ways.items()}, repeats)
+        info.update(times)
+    if agree is not None or times:    # one rule, over the group or the whole job
+        info["choice"] = agree_on_faster(agree if agree is not None else group, times, "flat",
+                                         ("hierarchical", "ring"), margin)
+    for way, comm in ways.items():
+        if way not in ("flat", info["choice"]):
+            comm.free()
+    if record is not None:
+        record.update(info)
+    return ways[info["choice"]]
+
+
+def _candidates(group: FlatComm, elements: int, xp: Any, nodes: NodeMap | None, ring: bool,
+                info: dict[str, Any]) -> dict[str, Any]:
+    """:func:`choose`'s ways for ``group``: itself, its two levels where they exist,
+    its ring where asked for host buckets large enough; ``info["levels"]`` says
+    why the two levels are or are not there. Collective over ``group``."""
     ways: dict[str, Any] = {"flat": group}
     if elements <= 0:
         info["levels"] = "nothing to reduce"
@@ -339,24 +365,4 @@ def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "all
             hier.free()
     if ring and xp is np and elements >= RING_MIN_ELEMENTS:
         ways["ring"] = RingComm(group)
-    times: dict[str, float] = {}
-    if len(ways) > 1:
-        buf = xp.zeros(max(elements, group.size), dtype=dtype)
-        counts = _counts(buf.size, group.size)
-        recv = xp.zeros(counts[group.rank], dtype=dtype)
-        times = time_alternatives(
-            group, {way: (lambda c=c: reduce_once(c, kind, blocking, buf, recv, counts))
-                    for way, c in ways.items()}, repeats)
-        info.update(times)
-    if agree is not None:
-        info["choice"] = agree_on_faster(agree, times, "flat", ("hierarchical", "ring"), margin)
-    elif times:
-        best = min((w for w in ways if w != "flat"), key=lambda w: (info[w], w))
-        if info[best] < (1 - margin) * info["flat"]:
-            info["choice"] = best
-    for way, comm in ways.items():
-        if way not in ("flat", info["choice"]):
-            comm.free()
-    if record is not None:
-        record.update(info)
-    return ways[info["choice"]]
+    return ways

@@ -17,6 +17,7 @@ import numpy as np
 from ..backend import array_namespace, to_numpy
 from ..comm import FlatComm, Handle, stuck, world_rank
 from ..comm.buckets import GradientBuckets
+from ..comm.hierarchical import choose as choose_reduction
 from ..config import ShardingConfiguration
 from ..errors import CommunicationError, MpiShardError, NonFiniteError, TopologyError
 from ..flat import Range, bucket_ranges
@@ -210,6 +211,28 @@ class DataParallelCore:
 
     def _release(self) -> None:
         """Free what the core holds on its old groups (a two-level reducer)."""
+        reducer = getattr(self, "reducer", None)
+        if reducer is not None and reducer is not self.dp:
+            reducer.free()
+        self.reducer = None
+
+    def _measured_reducer(self, largest: int, dtype: Any, kind: str, ring: bool) -> Any:
+        """The data group's reduction for buckets of ``largest`` elements: the group,
+        its two levels across nodes or its ring, whichever measured fastest
+        (:func:`~mpishard.comm.hierarchical.choose`, into ``reduction_timings``).
+        In a 3D layout (the data group smaller than the job) the choice is made
+        alike over the job, a stage without buckets taking part, and the ring is
+        not tried: the data groups hold copies of the replicated tensors, which
+        another order of addition in one group would let drift. Collective over
+        the training group (the data group where it is the whole job)."""
+        groups = self.config.groups
+        whole = groups.dp.size == groups.world.size
+        if whole and not largest:
+            return self.dp
+        return choose_reduction(self.dp, largest, dtype, self.xp, kind=kind,
+                                blocking=not self.bucketed, nodes=groups.nodes,
+                                record=self.reduction_timings, ring=ring and whole,
+                                agree=None if whole else groups.world)
 
     # --- setting up --------------------------------------------------------
     def attach(self, model: Model) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..comm import Handle
-from ..comm.hierarchical import choose as choose_reduction
 from ..flat import Range, shard_ranges
 from ..protocols import Model
 from .base import DataParallelCore, _nbytes
@@ -51,31 +50,13 @@ class DDPCore(DataParallelCore):
         self.buckets.vector = self._grad_vector
         if self.bucketed:
             model.set_backward_hooks(self.buckets)
-        # The buckets' reduction: over the data group, or in two levels (inside
-        # the nodes, then across) where that measured faster at this bucket size.
+        # The buckets' reduction: over the data group, in two levels (inside the
+        # nodes, then across) or as a ring, whichever measured faster at this size.
         self._release()   # attached before
         self.reduction_timings: dict[str, Any] = {}
-        # (Without buckets, a stage with no parameters, there is nothing to measure.)
-        largest = self.buckets.largest
-        # In a 3D layout the data groups hold copies of the replicated tensors: flat
-        # or two levels is chosen alike over the job (a stage without buckets takes
-        # part), and the ring is not tried (on 3 or more ranks it adds in another
-        # order than MPI; each group would choose it by its own timing).
-        groups = self.config.groups
-        whole = groups.dp.size == groups.world.size
-        if self.config.reproducible or (whole and not largest):
-            self.reducer = self.dp
-        else:
-            self.reducer = choose_reduction(
-                self.dp, largest, dtype, xp, blocking=not self.bucketed, nodes=groups.nodes,
-                record=self.reduction_timings, ring=whole,
-                agree=None if whole else groups.world)
-
-    def _release(self) -> None:
-        reducer = getattr(self, "reducer", None)
-        if reducer is not None and reducer is not self.dp:
-            reducer.free()
-        self.reducer = None
+        self.reducer = (self.dp if self.config.reproducible else
+                        self._measured_reducer(self.buckets.largest, dtype, "allreduce",
+                                               ring=True))
 
     @property
     def _grad_vector(self) -> Any:

@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 
 from ..comm import FlatComm, Handle
-from ..comm.hierarchical import choose as choose_reduction
 from ..comm.ring import RING_MIN_ELEMENTS, RingComm
 from ..comm.timing import agree_on_fastest, reduce_once, time_alternatives
 from ..errors import MpiShardError
@@ -146,33 +145,19 @@ class ZeRO2Core(DataParallelCore):
                 "reduce_scatter")
         dp.agree(None if self.reduce_method != "ring" or xp is np else
                  "reduce_method='ring' sums host (NumPy) arrays, got CuPy ones", ValueError)
-        # That reduction over the data group, or in two levels (inside the nodes,
-        # then across) where that measured faster at this bucket size.
+        # That reduction over the data group, in two levels (inside the nodes,
+        # then across) where that measured faster at this bucket size, or the ring
+        # that reduce_method names.
         self._release()   # attached before
         self.reduction_timings: dict[str, Any] = {}
-        # Flat or two levels: chosen alike over the job in a 3D layout (the data
-        # groups hold copies of the replicated tensors; a stage without buckets
-        # takes part).
-        groups = self.config.groups
-        whole = groups.dp.size == groups.world.size
-        if self.config.reproducible or (not largest and (whole or self.reduce_method == "ring")):
+        if self.config.reproducible or (self.reduce_method == "ring" and not largest):
             self.reducer = dp
         elif self.reduce_method == "ring":
             self.reducer = RingComm(dp)
             self.reduction_timings["choice"] = "ring"
-        else:
-            self.reducer = choose_reduction(
-                dp, largest, dtype, xp,
-                kind="allreduce" if self.reduce_method == "allreduce" else "reduce_scatter",
-                blocking=not self.bucketed, nodes=groups.nodes,
-                record=self.reduction_timings, ring=False,   # the ring: reduce_method's
-                agree=None if whole else groups.world)
-
-    def _release(self) -> None:
-        reducer = getattr(self, "reducer", None)
-        if reducer is not None and reducer is not self.dp:
-            reducer.free()
-        self.reducer = None
+        else:   # the ring is reduce_method's
+            kind = "allreduce" if self.reduce_method == "allreduce" else "reduce_scatter"
+            self.reducer = self._measured_reducer(largest, dtype, kind, ring=False)
 
     def _probe_kind(self) -> str:
         # overlap="auto" is decided before reduce_method="auto" (which is measured

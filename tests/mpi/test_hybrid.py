@@ -252,8 +252,7 @@ def test_data_groups_agree_on_flat_or_two_levels(monkeypatch, data_parallel, fav
     from layouts import hybrid, mlp_data
 
     import mpishard.comm.hierarchical as hier
-    import mpishard.parallel.ddp as ddp
-    import mpishard.parallel.zero2 as zero2
+    import mpishard.parallel.base as base
 
     tp = ShardingConfiguration(MPI.COMM_WORLD, tensor_parallel_size=2).groups.coordinates.tp
 
@@ -274,8 +273,7 @@ def test_data_groups_agree_on_flat_or_two_levels(monkeypatch, data_parallel, fav
 
     monkeypatch.setattr(hier, "HierarchicalComm", TwoLevels)
     monkeypatch.setattr(hier, "time_alternatives", skewed)
-    for module in (ddp, zero2):
-        monkeypatch.setattr(module, "choose_reduction", choose)
+    monkeypatch.setattr(base, "choose_reduction", choose)
     options = {"reduce_method": "reduce_scatter"} if data_parallel == "zero2" else {}
     model, opt = hybrid(MPI.COMM_WORLD, 2, 1, data_parallel, **options)
     opt.optimize(model, mlp_data(), epochs=2, batch_size=16)
