@@ -71,10 +71,10 @@ def deposit(acc: BinnedAccumulator, x: Any) -> bool:
     source = x.reshape(-1)
     if xp is np:
         itype, mask, shift, inf, unit = _BITS[source.dtype.itemsize]
-        source = np.ascontiguousarray(source)
-        ok = _numba().deposit(source, source.view(itype), mask, shift, inf, unit,
-                              acc.grid.starts, acc.grid.lengths, acc.words, acc.bins,
-                              _chunk_scratch(acc), acc.word_bits)
+        row = np.ascontiguousarray(source).reshape(1, -1)
+        ok = _numba().deposit_rows(row, row.view(itype), mask, shift, inf, unit,
+                                   acc.grid.starts, acc.grid.lengths, acc.words, acc.bins,
+                                   _chunk_scratch(acc), acc.word_bits)
     else:
         ok = _cuda().deposit(acc, source)
     if ok:
@@ -242,6 +242,10 @@ def _build_numba() -> SimpleNamespace:
 
 def _numba_helpers(jit: Any, inline: Any) -> SimpleNamespace:
     """The scalar helpers of the Numba kernels (inlined into them) and ``max_bits``."""
+    # In every kernel, indices inside the per-chunk loops are unsigned (np.uint64):
+    # a signed index makes Numba test it for wrap-around, which stops the loop from
+    # vectorising (5x slower). And no array views per chunk: each costs reference
+    # counting (atomics).
     empty = EMPTY_BIN
     @inline
     def frexp_exponent(bits, shift, unit):
@@ -349,51 +353,11 @@ def _numba_slices(inline: Any, power_of_two: Any) -> SimpleNamespace:
     return SimpleNamespace(slice_into=slice_into, join_into=join_into)
 
 def _numba_deposits(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
-    """The deposits of a vector, or of rows, into the words."""
-    bin_of_bits = h.bin_of_bits
-    chunk_bits = h.chunk_bits
-    power_of_two = h.power_of_two
-    punning = h.punning
-    slice_into = h.slice_into
-    empty = EMPTY_BIN
-    # Indices inside the per-chunk loops are unsigned: a signed index makes Numba
-    # test it for wrap-around, which stops the loop from vectorising (5x slower).
-    # And no array views per chunk: each costs reference counting (atomics).
-    u = np.uint64
-
-    @jit
-    def deposit(src, bits, mask, shift, inf, unit, starts, lengths, words, bins, top,
-                w):
-        nc = starts.size
-        src2 = src.reshape(1, -1)
-        bits2 = bits.reshape(1, -1)
-        zero = u(0)
-        # Pass 1: each chunk's largest magnitude; nothing is deposited if one is not finite.
-        for c in range(nc):
-            m = chunk_bits(bits2, zero, mask, u(starts[c]), u(lengths[c]))
-            if (m >> shift) >= inf:
-                return False
-            top[c] = m
-        k = words.shape[0]
-        width = words.shape[2]
-        pun = punning()
-        step = power_of_two(w, pun)
-        flat = words.reshape(k, -1)     # row kk, chunk c: flat[kk, c * width + j]
-        for c in range(nc):
-            if top[c] == 0:
-                continue                # zeros: nothing to add, the bin stays
-            new = bin_of_bits(top[c], shift, unit, w)
-            old = bins[c]
-            if new > old:
-                if old != empty:        # move the words down, dropping the lowest
-                    d = min(new - old, k)
-                    for kk in range(k - 1, -1, -1):
-                        for j in range(width):
-                            words[kk, c, j] = words[kk - d, c, j] if kk >= d else 0.0
-                bins[c] = new
-            slice_into(src2, zero, u(starts[c]), u(lengths[c]), -bins[c] * w, step, flat,
-                       u(c * width), k, pun)
-        return True
+    """The deposit of rows into the words (a vector is one row)."""
+    # The jitted helpers as closure variables (Numba reads no attributes of h).
+    bin_of_bits, chunk_bits, power_of_two = h.bin_of_bits, h.chunk_bits, h.power_of_two
+    punning, slice_into = h.punning, h.slice_into
+    empty, u = EMPTY_BIN, np.uint64     # unsigned indices: see _numba_helpers
 
     @jit
     def deposit_rows(rows, bits, mask, shift, inf, unit, starts, lengths, words, bins, top,
@@ -433,21 +397,14 @@ def _numba_deposits(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
                            u(c * width), k, pun)
         return True
 
-    return SimpleNamespace(deposit=deposit, deposit_rows=deposit_rows)
+    return SimpleNamespace(deposit_rows=deposit_rows)
 
 def _numba_sums(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
     """Words back to floats, and the exact sum of rows in one pass."""
-    bin_of_bits = h.bin_of_bits
-    chunk_bits = h.chunk_bits
-    power_of_two = h.power_of_two
-    punning = h.punning
-    slice_into = h.slice_into
-    join_into = h.join_into
-    empty = EMPTY_BIN
-    # Indices inside the per-chunk loops are unsigned: a signed index makes Numba
-    # test it for wrap-around, which stops the loop from vectorising (5x slower).
-    # And no array views per chunk: each costs reference counting (atomics).
-    u = np.uint64
+    # The jitted helpers as closure variables (Numba reads no attributes of h).
+    bin_of_bits, chunk_bits, power_of_two = h.bin_of_bits, h.chunk_bits, h.power_of_two
+    punning, slice_into, join_into = h.punning, h.slice_into, h.join_into
+    empty, u = EMPTY_BIN, np.uint64     # unsigned indices: see _numba_helpers
 
     @jit
     def to_float(words, bins, w, chunk, lo, hi, out):
