@@ -235,7 +235,7 @@ def _build_numba() -> SimpleNamespace:
     h = _numba_helpers(jit, inline)
     h = SimpleNamespace(**vars(h), **vars(_numba_slices(inline, h.power_of_two)))
     kernels = SimpleNamespace(max_bits=h.max_bits)
-    for build in (_numba_deposits, _numba_sums, _numba_squares):
+    for build in (_numba_deposits, _numba_to_float, _numba_exact_sum, _numba_squares):
         kernels.__dict__.update(vars(build(jit, h)))
     return kernels
 
@@ -352,6 +352,7 @@ def _numba_slices(inline: Any, power_of_two: Any) -> SimpleNamespace:
                 out[o + j] = math.ldexp(v, e)
     return SimpleNamespace(slice_into=slice_into, join_into=join_into)
 
+
 def _numba_deposits(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
     """The deposit of rows into the words (a vector is one row)."""
     # The jitted helpers as closure variables (Numba reads no attributes of h).
@@ -399,11 +400,11 @@ def _numba_deposits(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
 
     return SimpleNamespace(deposit_rows=deposit_rows)
 
-def _numba_sums(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
-    """Words back to floats, and the exact sum of rows in one pass."""
+
+def _numba_to_float(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
+    """Words back to floats."""
     # The jitted helpers as closure variables (Numba reads no attributes of h).
-    bin_of_bits, chunk_bits, power_of_two = h.bin_of_bits, h.chunk_bits, h.power_of_two
-    punning, slice_into, join_into = h.punning, h.slice_into, h.join_into
+    power_of_two, punning, join_into = h.power_of_two, h.punning, h.join_into
     empty, u = EMPTY_BIN, np.uint64     # unsigned indices: see _numba_helpers
 
     @jit
@@ -423,6 +424,15 @@ def _numba_sums(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
                 continue
             join_into(flat, u(c * chunk + j0), k, u(j1 - j0), step, (b - k + 1) * w, out, o,
                       pun)
+
+    return SimpleNamespace(to_float=to_float)
+
+
+def _numba_exact_sum(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
+    """The exact sum of rows in one pass (a chunk's words kept in the cache)."""
+    bin_of_bits, chunk_bits, power_of_two = h.bin_of_bits, h.chunk_bits, h.power_of_two
+    punning, slice_into, join_into = h.punning, h.slice_into, h.join_into
+    u = np.uint64
 
     @jit
     def exact_sum(rows, bits, mask, shift, inf, unit, starts, lengths, k, w, lo, hi, out):
@@ -461,7 +471,8 @@ def _numba_sums(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
                       pun)
         return -1
 
-    return SimpleNamespace(to_float=to_float, exact_sum=exact_sum)
+    return SimpleNamespace(exact_sum=exact_sum)
+
 
 def _numba_squares(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
     """A shard's squares summed into the norm's words."""
