@@ -77,16 +77,7 @@ def choose_overlap(dp: FlatComm, agree: FlatComm, ranges: list[Range], dtype: An
         if record is not None:
             record.update(info)
         return False
-    # A layout without parameters (a pipeline stage of activations only) has no
-    # buckets: its ranks still take part in every agreement, measuring nothing.
-    probe = ranges[:PROBE_BUCKETS]
-    bottom = probe[-1].start if probe else 0
-    local = [r.shift(bottom) for r in probe]
-    buckets = GradientBuckets(local, _reducer(dp, local, kind, dtype, xp), slots=slots)
-    if slots:
-        buckets.allocate(xp, dtype)
-    else:
-        buckets.vector = xp.zeros(probe[0].stop - bottom if probe else 0, dtype=dtype)
+    buckets, local = _stand_in_buckets(dp, ranges, kind, dtype, xp, slots)
     a = xp.full((_KERNEL, _KERNEL), 1.0 / _KERNEL, dtype=dtype)
     out = xp.empty_like(a)
 
@@ -134,6 +125,23 @@ def choose_overlap(dp: FlatComm, agree: FlatComm, ranges: list[Range], dtype: An
     if record is not None:
         record.update(info)
     return info["choice"]
+
+
+def _stand_in_buckets(dp: FlatComm, ranges: list[Range], kind: str, dtype: Any, xp: Any,
+                      slots: int) -> tuple[GradientBuckets, list[Range]]:
+    """The strategy's first buckets (at most :data:`PROBE_BUCKETS`) moved to start at
+    0, over buffers of their own, and their ranges. A layout without parameters (a
+    pipeline stage of activations only) has none: its ranks still take part in
+    every agreement, measuring nothing."""
+    probe = ranges[:PROBE_BUCKETS]
+    bottom = probe[-1].start if probe else 0
+    local = [r.shift(bottom) for r in probe]
+    buckets = GradientBuckets(local, _reducer(dp, local, kind, dtype, xp), slots=slots)
+    if slots:
+        buckets.allocate(xp, dtype)
+    else:
+        buckets.vector = xp.zeros(probe[0].stop - bottom if probe else 0, dtype=dtype)
+    return buckets, local
 
 
 def _reducer(dp: FlatComm, local: list[Range], kind: str, dtype: Any, xp: Any):
