@@ -27,6 +27,7 @@ __all__ = [
     "TensorSpec",
     "bucket_ranges",
     "shard_ranges",
+    "split_range",
     "unit_ranges",
 ]
 
@@ -197,6 +198,23 @@ def bucket_ranges(layout: ParamLayout, bucket_elements: int) -> list[Range]:
     if start < stop:
         buckets.append(Range(start, stop))
     return buckets
+
+
+def split_range(n: int, parts: int, rank: int) -> Range:
+    """Rank ``rank``'s piece of ``[0, n)`` cut into ``parts`` contiguous pieces.
+
+    Pieces differ by at most one element, the longer ones first: 11 in 2 parts
+    is ``[0, 6)`` and ``[6, 11)``. When ``parts`` divides ``n`` this is Megatron's
+    ``[rank * n / parts, (rank + 1) * n / parts)``.
+
+    Raises:
+        ValueError: ``parts < 1`` or ``rank`` outside ``[0, parts)``.
+    """
+    if parts < 1 or not 0 <= rank < parts:
+        raise ValueError(f"expecting 0 <= rank < parts, got rank={rank}, parts={parts}")
+    base, extra = divmod(n, parts)
+    start = rank * base + min(rank, extra)
+    return Range(start, start + base + (rank < extra))
 
 
 def shard_ranges(n: int, parts: int) -> list[Range]:

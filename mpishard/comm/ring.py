@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from ..flat import split_range
 from .communicator import FlatComm, Handle
 
 __all__ = ["RING_MIN_ELEMENTS", "RingComm"]
@@ -97,7 +98,7 @@ class RingComm:
         """Start summing ``buf`` in place over the group. Collective over the group."""
         if op != "sum" or self.size == 1:
             return self.group.Iallreduce(buf, slot, finish, op=op)
-        counts = _even_counts(buf.size, self.size)
+        counts = [len(split_range(buf.size, self.size, i)) for i in range(self.size)]
         return self._start(buf, None, counts, slot, finish, gather=True)
 
     def Reduce_scatter(self, sendbuf: Any, recvbuf: Any, counts: list[int],
@@ -233,8 +234,3 @@ class _Ring(Handle):
             finish, self.finish = self.finish, None
             finish()
 
-
-def _even_counts(n: int, parts: int) -> list[int]:
-    """Pieces of an allreduce: as even as possible, the first ones one longer."""
-    base, extra = divmod(n, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
