@@ -33,6 +33,7 @@ after, for the way chosen here (blocking or not). ZeRO-2 with
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..backend import synchronize
@@ -86,21 +87,7 @@ def choose_overlap(dp: FlatComm, agree: FlatComm, ranges: list[Range], dtype: An
             xp.matmul(a, a, out=out)
         synchronize(xp)
 
-    # One matrix product's time and the blocking reduction's, agreed (the max):
-    # every rank then runs the same stand-in compute.
-    product = reduction = float("inf")
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        compute(8)
-        product = min(product, (time.perf_counter() - t0) / 8)
-        dp.barrier()
-        t0 = time.perf_counter()
-        buckets.begin(True)
-        buckets.flush()
-        buckets.wait()
-        reduction = min(reduction, time.perf_counter() - t0)
-    product = agree.allreduce_scalar(product, op="max")
-    reduction = agree.allreduce_scalar(reduction, op="max")
+    product, reduction = _product_and_reduction(dp, agree, buckets, compute, repeats)
     total = sum(len(r) for r in local)
     counts = [max(1, round(reduction / max(product, 1e-9) * len(r) / total)) for r in local]
 
@@ -125,6 +112,27 @@ def choose_overlap(dp: FlatComm, agree: FlatComm, ranges: list[Range], dtype: An
     if record is not None:
         record.update(info)
     return info["choice"]
+
+
+def _product_and_reduction(dp: FlatComm, agree: FlatComm, buckets: GradientBuckets,
+                           compute: Callable[[int], None], repeats: int) -> tuple[float, float]:
+    """One stand-in matrix product's time and the stand-in buckets' blocking
+    reduction's, each the best of ``repeats`` (after a warm-up) and agreed over
+    ``agree`` (the max): every rank then runs the same stand-in compute.
+    Collective over ``agree``."""
+    product = reduction = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        compute(8)
+        product = min(product, (time.perf_counter() - t0) / 8)
+        dp.barrier()
+        t0 = time.perf_counter()
+        buckets.begin(True)
+        buckets.flush()
+        buckets.wait()
+        reduction = min(reduction, time.perf_counter() - t0)
+    return (agree.allreduce_scalar(product, op="max"),
+            agree.allreduce_scalar(reduction, op="max"))
 
 
 def _stand_in_buckets(dp: FlatComm, ranges: list[Range], kind: str, dtype: Any, xp: Any,
