@@ -39,17 +39,38 @@ The model (alpha-beta, per node link):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GPT7B", "STRATEGIES", "Layout", "Machine", "ModelSpec", "best_layouts",
-           "gather_time", "predict", "reduction_time", "table", "validate"]
+__all__ = ["GPT7B", "DataParallelCost", "Layout", "Machine", "ModelSpec", "best_layouts",
+           "gather_time", "predict", "reduction_time", "table"]
 
-#: The data-parallel strategies the model knows.
-STRATEGIES = ("ddp", "zero2", "zero3")
-# Allgathers of the parameters per step: ZeRO-2's after the update, ZeRO-3's
-# before the forward and again before the backward.
-_GATHERS = {"zero2": 1, "zero3": 2}
+
+@dataclass(frozen=True)
+class DataParallelCost:
+    """What a data-parallel strategy moves and keeps, as the model counts it.
+
+    The strategies' own entries are in the registry of the layer above
+    (``mpishard.strategies.STRATEGIES[name].cost``); this module knows no names.
+
+    Attributes:
+        name: the strategy's name (``"zero2"``), printed in the predictions.
+        reduce_scatter: the gradient is reduced to shards (else allreduced whole).
+        gathers: allgathers of the parameters per step (ZeRO-2: after the update;
+            ZeRO-3: before the forward and again before the backward).
+        sharded_params, sharded_grads, sharded_states: kept as a ``1/dp`` shard.
+        gathered_layers: layers of gathered parameters held at once (ZeRO-3's
+            prefetch: two).
+    """
+
+    name: str
+    reduce_scatter: bool
+    gathers: int
+    sharded_params: bool = False
+    sharded_grads: bool = False
+    sharded_states: bool = False
+    gathered_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,10 +114,10 @@ class Layout:
     the replica's share of the batch: the least activation memory, the smallest
     bubble)."""
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    strategy: str = "zero2"
+    tp: int
+    pp: int
+    dp: int
+    strategy: DataParallelCost
     reduction: str = "hierarchical"      # or "flat"
     placement: str = "slot"              # or "round-robin"
     global_batch: int = 1024
@@ -159,6 +180,15 @@ def gather_time(n: float, dp: int, per_node: int, machine: Machine,
     return machine.allgather_cost * reduction_time(n, dp, per_node, machine, "flat", placement)
 
 
+def _model_bytes(cost: DataParallelCost, params: float, dp: int, layers: int) -> float:
+    """Bytes per rank of parameters, gradient and Adam's two moments (``params``: the
+    bytes of the rank's part of the model, ``layers``: its layers)."""
+    shard = {True: 1 / dp, False: 1.0}
+    return (params * shard[cost.sharded_params] + params * shard[cost.sharded_grads]
+            + 2 * params * shard[cost.sharded_states]
+            + cost.gathered_layers * params / layers)
+
+
 def predict(model: ModelSpec, layout: Layout, machine: Machine) -> dict[str, Any]:
     """Step time, its parts, memory per rank and bubble of ``layout``. Pure."""
     tp, pp, dp, m = layout.tp, layout.pp, layout.dp, layout.m
@@ -184,18 +214,11 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> dict[str, Any
     # Data parallel: the gradient of this rank's part of the model.
     per_node_dp = max(1, machine.ranks_per_node // tp) if inside_tp else 1
     grad = local_params * b
+    cost = layout.strategy
     dp_comm = reduction_time(grad, dp, per_node_dp, machine, layout.reduction,
-                             layout.placement, half=layout.strategy in _GATHERS)
-    dp_comm += _GATHERS.get(layout.strategy, 0) * gather_time(grad, dp, per_node_dp, machine,
-                                                              layout.placement)
-    states = 2 * local_params * b                   # Adam's two moments
-    if layout.strategy == "zero2":
-        model_bytes = local_params * b + (local_params * b + states) / dp
-    elif layout.strategy == "zero3":
-        gathered = 2 * local_params * b / max(1, model.layers // pp)
-        model_bytes = (2 * local_params * b + states) / dp + gathered
-    else:
-        model_bytes = 2 * local_params * b + states
+                             layout.placement, half=cost.reduce_scatter)
+    dp_comm += cost.gathers * gather_time(grad, dp, per_node_dp, machine, layout.placement)
+    model_bytes = _model_bytes(cost, local_params * b, dp, max(1, model.layers // pp))
     # One micro-batch's activations of one layer; 1F1B keeps min(m, pp) micro-batches
     # of its layers/pp in flight on the first stage (pp = 1: one, however many m).
     per_layer = model.seq * micro * model.hidden * (
@@ -204,7 +227,7 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> dict[str, Any
     memory = model_bytes + activations
     comm = tp_comm + pp_comm + dp_comm
     step = compute + comm
-    return {"world": layout.world, "tp": tp, "pp": pp, "dp": dp, "strategy": layout.strategy,
+    return {"world": layout.world, "tp": tp, "pp": pp, "dp": dp, "strategy": cost.name,
             "reduction": layout.reduction, "micro_batches": m, "step_s": step,
             "compute_s": compute, "comm_s": comm, "tp_comm_s": tp_comm, "pp_comm_s": pp_comm,
             "dp_comm_s": dp_comm, "bubble": bubble, "memory_gb": memory / 1e9,
@@ -213,8 +236,11 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> dict[str, Any
 
 
 def best_layouts(model: ModelSpec, world: int, machine: Machine, global_batch: int,
+                 strategies: Iterable[DataParallelCost],
                  reduction: str = "hierarchical") -> list[dict[str, Any]]:
-    """Every (tp, pp, dp, strategy) of ``world`` ranks, fastest first, those that fit first."""
+    """Every (tp, pp, dp, strategy of ``strategies``) of ``world`` ranks, fastest
+    first, those that fit first."""
+    strategies = tuple(strategies)
     out = []
     for tp in (1, 2, 4, 8, 16):
         if tp > machine.ranks_per_node or world % tp:
@@ -225,132 +251,21 @@ def best_layouts(model: ModelSpec, world: int, machine: Machine, global_batch: i
             dp = world // (tp * pp)
             if global_batch % dp:
                 continue
-            for strategy in STRATEGIES:
+            for strategy in strategies:
                 layout = Layout(tp, pp, dp, strategy, reduction, global_batch=global_batch)
                 out.append(predict(model, layout, machine))
     return sorted(out, key=lambda r: (not r["fits"], r["step_s"]))
 
 
-def table(model: ModelSpec, machine: Machine, global_batch: int,
-          worlds: list[int]) -> list[dict[str, Any]]:
-    """For each world size: the fastest layout that fits, and how many fit."""
+def table(model: ModelSpec, machine: Machine, global_batch: int, worlds: list[int],
+          strategies: Iterable[DataParallelCost]) -> list[dict[str, Any]]:
+    """For each world size: the fastest layout of ``strategies`` that fits, and how many fit."""
+    strategies = tuple(strategies)
     rows = []
     for world in worlds:
-        ranked = best_layouts(model, world, machine, global_batch)
+        ranked = best_layouts(model, world, machine, global_batch, strategies)
         fitting = [r for r in ranked if r["fits"]]
         best = fitting[0] if fitting else None
         rows.append({"world": world, "layouts": len(ranked), "fit": len(fitting),
                      "best": best, "smallest_memory_gb": min(r["memory_gb"] for r in ranked)})
     return rows
-
-
-def validate(records: list[dict[str, Any]]) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Predicted against measured for the lines of ``benchmarks/bench_nodes.py``
-    (and the ``zero_step`` lines of ``benchmarks/bench_zero3.py --cluster``).
-
-    Calibration, then prediction of the rest. A ping-pong between two ranks
-    overstates what a collective gets where ranks share cores and the reduction
-    itself costs (here: 4 ranks on 2 cores, and the TCP stack of every "node" on
-    them too; predicting from the ping-pong bandwidths measured a median error
-    of 36-43 %), so the bandwidths are the bus bandwidths of two measured flat
-    allreduces of the smallest size: inside from the one-node run (``1xL``),
-    across from the one-rank-per-node run (``Nx1``); latencies are the
-    (median) ping-pong ones. Everything else is predicted: the other
-    sizes, reduce-scatter, the hierarchical reductions, the layouts with several
-    nodes of several ranks, and the DDP, ZeRO-2 and ZeRO-3 steps (the one-node
-    step's compute, its measured time less the model's communication there, plus
-    the model's communication of the layout). Returns the calibration and one row per
-    prediction (``measured_s``, ``predicted_s``, ``error`` = predicted/measured - 1).
-    """
-    by_layout: dict[str, list[dict[str, Any]]] = {}
-    for r in records:
-        by_layout.setdefault(r["layout"], []).append(r)
-
-    def shape(name: str) -> tuple[int, int]:
-        nodes, per = (int(v) for v in name.removesuffix("rr").split("x"))
-        return nodes, per
-
-    def calibration_run(match) -> dict[str, Any] | None:
-        runs = [r for name, rs in by_layout.items() if match(*shape(name)) for r in rs
-                if r["kind"] == "reduction" and r["op"] == "allreduce" and r["way"] == "flat"]
-        return min(runs, key=lambda r: r["mib"]) if runs else None
-
-    inside_run = calibration_run(lambda nodes, per: nodes == 1 and per > 1)
-    if inside_run is None:
-        raise ValueError("expecting the flat allreduce lines of a one-node layout (1xL) "
-                         "to calibrate from")
-
-    def link(where: str, key: str, default: float) -> float:
-        values = sorted(r[key] for rs in by_layout.values() for r in rs
-                        if r["kind"] == "link" and r["where"] == where and key in r)
-        return values[len(values) // 2] if values else default
-
-    across_run = calibration_run(lambda nodes, per: nodes > 1 and per == 1)
-    if across_run is None:
-        raise ValueError("expecting the flat allreduce lines of a one-rank-per-node layout "
-                         "(Nx1) to calibrate from")
-    across = across_run["busbw_gbs"]
-    # Reduce-scatter against allreduce: the one-node flat ones of the same size.
-    rs = [r for r in by_layout[inside_run["layout"]] if r["kind"] == "reduction"
-          and r["op"] == "reduce_scatter" and r["way"] == "flat" and r["mib"] == inside_run["mib"]]
-    ag = [r for r in by_layout[inside_run["layout"]] if r["kind"] == "reduction"
-          and r["op"] == "allgather" and r["mib"] == inside_run["mib"]]
-    calib = {"reduce_scatter_cost": rs[0]["seconds"] / inside_run["seconds"] if rs else 0.5,
-             "allgather_cost": ag[0]["seconds"] / inside_run["seconds"] if ag else 0.5,
-             "bandwidth_inside": inside_run["busbw_gbs"] * 1e9,
-             "bandwidth_across": across * 1e9,
-             "latency_inside": link("inside", "latency_us", 5.0) * 1e-6,
-             "latency_across": link("across", "latency_us", 10.0) * 1e-6,
-             "from": [f"{inside_run['layout']} allreduce {inside_run['mib']:g} MiB flat",
-                      f"{across_run['layout']} allreduce {across_run['mib']:g} MiB flat"]}
-    out, compute = [], {}
-    for name, rs in by_layout.items():
-        nodes, per = shape(name)
-        machine = Machine(ranks_per_node=per, latency_inside=calib["latency_inside"],
-                          bandwidth_inside=calib["bandwidth_inside"],
-                          latency_across=calib["latency_across"],
-                          bandwidth_across=calib["bandwidth_across"],
-                          reduce_scatter_cost=calib["reduce_scatter_cost"],
-                          allgather_cost=calib["allgather_cost"])
-        placement = "round-robin" if name.endswith("rr") else "slot"
-        for r in rs:
-            if r is inside_run or r is across_run or (rs and r is rs[0]) or (ag and r is ag[0]):
-                continue
-            if r["kind"] == "reduction" and r["op"] == "allgather":
-                predicted = gather_time(r["mib"] * (1 << 20), nodes * per, per, machine,
-                                        placement)
-                out.append({"layout": name, "what": f"allgather {r['mib']:g} MiB flat",
-                            "measured_s": r["seconds"], "predicted_s": predicted})
-            elif r["kind"] == "reduction":
-                predicted = reduction_time(r["mib"] * (1 << 20), nodes * per, per, machine,
-                                           r["way"], placement, half=r["op"] == "reduce_scatter")
-                out.append({"layout": name, "what": f"{r['op']} {r['mib']:g} MiB {r['way']}",
-                            "measured_s": r["seconds"], "predicted_s": predicted})
-            elif r["kind"] in ("ddp_step", "zero_step") and not r.get("overlap"):
-                n = r["gradient_mib"] * (1 << 20)
-                if r["kind"] == "ddp_step":
-                    comm = reduction_time(n, nodes * per, per, machine, r["way"], placement)
-                    key = ("ddp", r["way"], nodes * per)
-                    what = f"DDP step {r['way']}"
-                else:   # ZeRO-2 and ZeRO-3: reduce-scatter and allgather(s), flat
-                    comm = (reduction_time(n, nodes * per, per, machine, "flat", placement,
-                                           half=True)
-                            + _GATHERS[r["strategy"]] * gather_time(n, nodes * per, per,
-                                                                    machine, placement))
-                    key = (r["strategy"], r.get("prefetch", True), nodes * per)
-                    what = f"{r['strategy']} step" + ("" if key[1] else " no prefetch")
-                if nodes == 1:
-                    compute[key] = r["seconds_per_step"] - comm
-                else:
-                    out.append({"layout": name, "what": what,
-                                "measured_s": r["seconds_per_step"], "comm_s": comm,
-                                "predicted_s": None, "key": key})
-    for row in out:
-        if row["predicted_s"] is None:
-            base = compute.get(row["key"])
-            row["predicted_s"] = None if base is None else base + row["comm_s"]
-    out = [row for row in out if row["predicted_s"] is not None]
-    for row in out:
-        row.pop("key", None), row.pop("comm_s", None)
-        row["error"] = row["predicted_s"] / row["measured_s"] - 1
-    return calib, out

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import UsageError
+from ..strategies.registry import STRATEGIES
 
 __all__ = ["EXAMPLES", "OPTIONS", "Option", "Settings", "UsageError", "build_parser", "check",
            "load_toml", "parse_args", "plan_runs"]
@@ -67,14 +68,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("gpu_index", "int", None, "with --device cuda: the GPU of every rank, among "
            "those it sees (CUDA_VISIBLE_DEVICES), instead of local rank %% GPUs", _G_RUN,
            metavar="N"),
-    Option("strategy", "str", "ddp", "ddp, zero2, zero3 (parameters sharded too), or hybrid "
-           "(tensor x pipeline x data parallel; give --tp and --pp)", _G_PAR,
-           ("ddp", "zero2", "zero3", "hybrid")),
+    Option("strategy", "str", "ddp", "; ".join(f"{e.name}: {e.summary}"
+                                               for e in STRATEGIES.values())
+           + "; or hybrid: tensor x pipeline x data parallel (give --tp and --pp)", _G_PAR,
+           (*STRATEGIES, "hybrid")),
     Option("tp", "int", 1, "tensor-parallel size (hybrid)", _G_PAR),
     Option("pp", "int", 1, "pipeline stages (hybrid)", _G_PAR),
     Option("dp", "int", -1, "data-parallel size; -1: the ranks left, world / (tp * pp)", _G_PAR),
     Option("data_parallel", "str", "ddp", "how the hybrid's data-parallel group syncs: "
-           "ddp, zero2 or zero3", _G_PAR, ("ddp", "zero2", "zero3")),
+           + ", ".join(STRATEGIES), _G_PAR, tuple(STRATEGIES)),
     Option("micro_batches", "int", 1, "pipeline micro-batches per step (hybrid)", _G_PAR),
     Option("schedule", "str", "1f1b", "pipeline schedule: 1f1b or gpipe (hybrid)", _G_PAR,
            ("1f1b", "gpipe")),

@@ -1,4 +1,4 @@
-"""``mpishard plan``: print the cost model's predictions (:mod:`mpishard.costmodel`).
+"""``mpishard plan``: the predictions of [`mpishard.costmodel`][mpishard.costmodel].
 
     mpishard plan --table                     # 64 .. 4096 ranks of a 7B GPT
     mpishard plan --tp 8 --pp 4 --dp 16       # one layout
@@ -13,7 +13,9 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from ..costmodel import GPT7B, STRATEGIES, Layout, Machine, ModelSpec, predict, table, validate
+from ..costmodel import GPT7B, Layout, Machine, ModelSpec, predict, table
+from ..strategies.registry import STRATEGIES
+from .benchlines import validate
 
 __all__ = ["add_plan_parser", "main"]
 
@@ -33,7 +35,8 @@ def add_plan_parser(sub: Any) -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
-    parser.add_argument("--strategy", choices=STRATEGIES, default="zero2")
+    parser.add_argument("--strategy", choices=list(STRATEGIES), default="zero2",
+                        help="; ".join(f"{e.name}: {e.summary}" for e in STRATEGIES.values()))
     parser.add_argument("--reduction", choices=("flat", "hierarchical"), default="hierarchical")
     parser.add_argument("--micro-batches", type=int, default=0)
     parser.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
@@ -96,7 +99,8 @@ def _run(args: argparse.Namespace) -> int:
                       args.dtype_bytes)
     if args.table:
         worlds = [int(w) for w in args.worlds.split(",")]
-        rows = table(model, machine, args.global_batch, worlds)
+        rows = table(model, machine, args.global_batch, worlds,
+                     [e.cost for e in STRATEGIES.values()])
         if args.json:
             for row in rows:
                 print(json.dumps(row))
@@ -119,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
                   f"{best['bubble']:>6.0%} {best['memory_gb']:>6.1f}GB "
                   f"{best['tokens_per_s']:>10.3g}")
         return 0
-    layout = Layout(args.tp, args.pp, args.dp, args.strategy, args.reduction,
+    layout = Layout(args.tp, args.pp, args.dp, STRATEGIES[args.strategy].cost, args.reduction,
                     global_batch=args.global_batch, micro_batches=args.micro_batches)
     result = predict(model, layout, machine)
     if args.json:

@@ -327,7 +327,7 @@ def _model(s: Settings, config: Any, dtype: np.dtype, n_in: int, n_out: int,
 def _strategy(s: Settings, config: Any, model: Any, steps: int, warmup: int) -> Any:
     from ..optim import get_optimizer
     from ..optim.schedules import CosineSchedule
-    from ..strategies import DDPOptimizer, HybridShardedOptimizer, ZeRO2Optimizer, ZeRO3Optimizer
+    from ..strategies import STRATEGIES, HybridShardedOptimizer
 
     extra = {} if s.weight_decay is None else {"weight_decay": s.weight_decay}
     optimizer = get_optimizer(s.optimizer, lr=s.lr, **extra)
@@ -336,8 +336,7 @@ def _strategy(s: Settings, config: Any, model: Any, steps: int, warmup: int) -> 
                   schedule=CosineSchedule(total_steps=max(steps, 1), warmup_steps=warmup))
     if s.strategy == "hybrid":
         return HybridShardedOptimizer(optimizer, config, data_parallel=s.data_parallel, **kwargs)
-    cls = {"ddp": DDPOptimizer, "zero2": ZeRO2Optimizer, "zero3": ZeRO3Optimizer}[s.strategy]
-    return cls(optimizer, config, **kwargs)
+    return STRATEGIES[s.strategy].public_class(optimizer, config, **kwargs)
 
 
 def _logical_parameters(config: Any, model: Any) -> int:

@@ -15,7 +15,6 @@ from . import zero2 as _zero2
 from .base import DataParallelCore, DataParallelOptions
 from .ddp import DDPCore
 from .hybrid import (
-    HYBRID_CORES,
     HybridCore,
     HybridDDPCore,
     HybridShardedModel,
@@ -26,7 +25,6 @@ from .zero2 import REDUCE_METHODS, ZeRO2Core, ZeRO2Options, choose_reduce_method
 from .zero3 import ZeRO3Core, ZeRO3Options
 
 __all__ = [
-    "HYBRID_CORES",
     "REDUCE_METHODS",
     "DDPCore",
     "DataParallelCore",

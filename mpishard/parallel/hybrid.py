@@ -27,7 +27,7 @@ from .ddp import DDPCore
 from .zero2 import ZeRO2Core
 from .zero3 import ZeRO3Core
 
-__all__ = ["HYBRID_CORES", "HybridCore", "HybridDDPCore", "HybridShardedModel", "HybridZeRO2Core",
+__all__ = ["HybridCore", "HybridDDPCore", "HybridShardedModel", "HybridZeRO2Core",
            "HybridZeRO3Core"]
 
 
@@ -328,8 +328,3 @@ class HybridZeRO3Core(HybridCore, ZeRO3Core):
 
     def _passes(self) -> list[str]:
         return self.model.passes()
-
-
-#: The hybrid core for each ``data_parallel`` value of ``HybridShardedOptimizer``.
-HYBRID_CORES: dict[str, type[HybridCore]] = {"ddp": HybridDDPCore, "zero2": HybridZeRO2Core,
-                                             "zero3": HybridZeRO3Core}

@@ -45,9 +45,9 @@ from ..checkpoint import CheckpointManager
 from ..config import ShardingConfiguration
 from ..errors import MpiShardError
 from ..exitcodes import EXIT_STOPPED, STOP_NOTE
-from ..parallel import DDPCore, ZeRO2Core, ZeRO3Core
 from ..train import Checkpointing, Sampling, StopRequest, TrainResult, run_training
 from .base import Strategy
+from .registry import STRATEGIES, unknown_strategy
 
 __all__ = ["BATCH_POLICIES", "ElasticOptimizer"]
 
@@ -55,7 +55,6 @@ __all__ = ["BATCH_POLICIES", "ElasticOptimizer"]
 #: share adapts). ``scale-lr``: each worker keeps its batch, the global batch
 #: grows with the workers and the learning rate is scaled linearly with it.
 BATCH_POLICIES = ("fixed-global", "scale-lr")
-_STRATEGIES = {"ddp": DDPCore, "zero2": ZeRO2Core, "zero3": ZeRO3Core}
 #: Why the loop stopped -> :attr:`ElasticOptimizer.stop_reason`.
 _REASONS = {"SIGUSR1": "resize", "SIGTERM": "preempt"}
 
@@ -70,7 +69,9 @@ class ElasticOptimizer(Strategy):
             error on every rank. Not given: the ``mpishard run`` agent's
             ``--min-workers``/``--max-workers`` (``MPISHARD_ELASTIC_MIN_WORKERS``
             and ``_MAX_WORKERS``), else 1 and 1024.
-        strategy: ``"ddp"``, ``"zero2"`` or ``"zero3"`` inside.
+        strategy: the data-parallel strategy inside, a name of
+            [`STRATEGIES`][mpishard.strategies.registry.STRATEGIES] (``"ddp"``,
+            ``"zero2"``, ``"zero3"``).
         checkpoint_dir: where to checkpoint and resume from (needed to resume).
         checkpoint_every: steps between periodic checkpoints (None: only on a
             signal and at the end).
@@ -105,9 +106,9 @@ class ElasticOptimizer(Strategy):
             min_workers = int(os.environ.get("MPISHARD_ELASTIC_MIN_WORKERS", "1"))
         if max_workers is None:
             max_workers = int(os.environ.get("MPISHARD_ELASTIC_MAX_WORKERS", "1024"))
-        problem = None
-        if strategy not in _STRATEGIES:
-            problem = f"strategy must be one of {', '.join(_STRATEGIES)}, got {strategy!r}"
+        problem = unknown_strategy(strategy)
+        if problem is not None:
+            pass    # reported below, with the others
         elif batch_policy not in BATCH_POLICIES:
             problem = (f"batch_policy must be one of {', '.join(BATCH_POLICIES)}, "
                        f"got {batch_policy!r}")
@@ -128,7 +129,7 @@ class ElasticOptimizer(Strategy):
         self.batch_policy = batch_policy
         self.reference_workers = reference_workers
         self.exit_on_signal = exit_on_signal
-        super().__init__(_STRATEGIES[strategy](optimizer, config, **options))
+        super().__init__(STRATEGIES[strategy].core_class(optimizer, config, **options))
         self.base_lr = optimizer.lr
         self.manager = (CheckpointManager(checkpoint_dir, keep=keep)
                         if checkpoint_dir is not None else None)

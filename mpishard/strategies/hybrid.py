@@ -1,32 +1,40 @@
 """``HybridShardedOptimizer``: the data-parallel side of 3D (tensor, pipeline, data)
-parallelism, on a :class:`~mpishard.parallel.HybridShardedModel`."""
+parallelism, on a [`HybridShardedModel`][mpishard.parallel.hybrid.HybridShardedModel]."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..config import ShardingConfiguration
-from ..parallel import HYBRID_CORES, HybridShardedModel
+from ..parallel import HybridShardedModel
 from ..protocols import Optimizer
 from .base import Strategy
+from .registry import strategy_entry
 
 __all__ = ["HybridShardedModel", "HybridShardedOptimizer"]
 
 
 class HybridShardedOptimizer(Strategy):
-    """DDP or ZeRO-2 over the data-parallel group of a
-    :class:`~mpishard.parallel.HybridShardedModel` (its tensor and pipeline
-    groups do the rest): :class:`~mpishard.parallel.HybridDDPCore` or
-    :class:`~mpishard.parallel.HybridZeRO2Core`.
+    """DDP, ZeRO-2 or ZeRO-3 over the data-parallel group of a
+    [`HybridShardedModel`][mpishard.parallel.hybrid.HybridShardedModel] (its tensor
+    and pipeline groups do the rest): the ``hybrid`` core of the strategy's entry in
+    [`STRATEGIES`][mpishard.strategies.registry.STRATEGIES]
+    ([`HybridDDPCore`][mpishard.parallel.hybrid.HybridDDPCore],
+    [`HybridZeRO2Core`][mpishard.parallel.hybrid.HybridZeRO2Core] or
+    [`HybridZeRO3Core`][mpishard.parallel.hybrid.HybridZeRO3Core]).
 
     Args:
-        optimizer: the update rule (:mod:`mpishard.optim`).
+        optimizer: the update rule ([`mpishard.optim`][mpishard.optim]).
         config: the layout (the model's when None).
-        data_parallel: ``"ddp"`` or ``"zero2"``.
-        model: the :class:`~mpishard.parallel.HybridShardedModel` to attach.
+        data_parallel: a name of [`STRATEGIES`][mpishard.strategies.registry.STRATEGIES]:
+            ``"ddp"``, ``"zero2"`` or ``"zero3"`` (a stage's parameters sharded
+            too, gathered before each forward and backward of the schedule).
+        model: the [`HybridShardedModel`][mpishard.parallel.hybrid.HybridShardedModel]
+            to attach.
         **options: the options of the chosen data-parallel strategy
-            (:class:`~mpishard.parallel.DataParallelOptions`, and for ZeRO-2
-            :class:`~mpishard.parallel.ZeRO2Options`).
+            ([`DataParallelOptions`][mpishard.parallel.base.DataParallelOptions],
+            and for ZeRO-2 [`ZeRO2Options`][mpishard.parallel.zero2.ZeRO2Options],
+            for ZeRO-3 [`ZeRO3Options`][mpishard.parallel.zero3.ZeRO3Options]).
 
     The global gradient norm counts every logical parameter once, and the step's
     totals are reduced over the world. Building it is collective over
@@ -39,9 +47,7 @@ class HybridShardedOptimizer(Strategy):
     def __init__(self, optimizer: Optimizer, config: ShardingConfiguration | None = None, *,
                  data_parallel: str = "ddp", model: HybridShardedModel | None = None,
                  **options: Any) -> None:
-        if data_parallel not in HYBRID_CORES:
-            raise ValueError(f"data_parallel must be one of {', '.join(HYBRID_CORES)}, "
-                             f"got {data_parallel!r}")
-        #: ``"ddp"`` or ``"zero2"``.
+        core = strategy_entry(data_parallel, "data_parallel").hybrid_class
+        #: The data-parallel strategy's name (a key of ``STRATEGIES``).
         self.data_parallel = data_parallel
-        super().__init__(HYBRID_CORES[data_parallel](optimizer, config, model=model, **options))
+        super().__init__(core(optimizer, config, model=model, **options))
