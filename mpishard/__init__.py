@@ -1,4 +1,6 @@
-"""mpishard: MPI-native DDP, ZeRO-2, tensor, pipeline and elastic training of flat-vector models.
+"""mpishard: MPI-native DDP, ZeRO-2, ZeRO-3, tensor, pipeline and elastic training.
+
+For models whose parameters live in one flat NumPy or CuPy vector.
 
 Importing the package is cheap and does not initialise MPI: the names below are
 loaded on first use (so the ``mpishard run`` agent, which starts ``mpirun``,

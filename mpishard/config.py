@@ -70,8 +70,8 @@ class ShardingConfiguration:
             tensor-parallel groups cannot all stay inside one node (refused by
             default; see :class:`~mpishard.comm.ProcessGroups`).
         reproducible: train bit for bit the same at any data-parallel size, with
-            DDP or ZeRO-2, pipelined or not, across a resize or a resharded
-            restart (see :mod:`mpishard.parallel.repro`). Default off: the
+            DDP, ZeRO-2 or ZeRO-3, pipelined or not, across a resize or a resharded
+            restart (see [Reproducible mode](../guide/reproducible.md)). Default off: the
             default mode's speed is unchanged.
         unit_rows: rows per unit of work in reproducible mode (a unit is rows
             ``[u * unit_rows, (u + 1) * unit_rows)`` of the global batch, computed

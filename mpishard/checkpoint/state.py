@@ -4,7 +4,7 @@ This module is the adapter between the strategies and the layout-free core
 (:mod:`~mpishard.checkpoint.write`, :mod:`~mpishard.checkpoint.read`). A rank's
 model holds a *local* flat vector of ``n`` elements whose tensors are slices of
 *logical* tensors (:class:`~mpishard.nn.shards.TensorShard`: the whole tensor
-under DDP and ZeRO-2; a tensor-parallel slice, or a copy replicated over the
+under DDP, ZeRO-2 and ZeRO-3; a tensor-parallel slice, or a copy replicated over the
 tensor group, and only its pipeline stage's layers under 3D parallelism). Two
 ranges of the local vector are named, on data-parallel rank ``r`` of ``N``:
 
@@ -214,7 +214,8 @@ def as_strategy(optimizer: Any) -> StrategyCore | None:
     if isinstance(optimizer, StrategyCore):
         return optimizer
     raise TypeError(f"expecting a training strategy (DDPOptimizer, ZeRO2Optimizer, "
-                    f"HybridShardedOptimizer) or None, got {type(optimizer).__name__}")
+                    f"ZeRO3Optimizer, HybridShardedOptimizer, ElasticOptimizer) or None, "
+                    f"got {type(optimizer).__name__}")
 
 
 def _json(value: Any) -> str:
@@ -283,9 +284,13 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
                     comm: Any = None, driver: str = "auto", durable: bool = True) -> str:
     """Write the training state to the HDF5 file ``path``, atomically.
 
-    With a strategy (``DDPOptimizer``, ``ZeRO2Optimizer``,
-    ``HybridShardedOptimizer``) as ``optimizer``: the parameters, the optimizer
-    state, the step, its ``data_position`` (epoch, samples consumed, ...), its
+    With a strategy ([`DDPOptimizer`][mpishard.strategies.ddp.DDPOptimizer],
+    [`ZeRO2Optimizer`][mpishard.strategies.zero2.ZeRO2Optimizer],
+    [`ZeRO3Optimizer`][mpishard.strategies.zero3.ZeRO3Optimizer],
+    [`HybridShardedOptimizer`][mpishard.strategies.hybrid.HybridShardedOptimizer],
+    [`ElasticOptimizer`][mpishard.strategies.elastic.ElasticOptimizer]) as
+    ``optimizer``: the parameters, the optimizer state, the step, its
+    ``data_position`` (epoch, samples consumed, ...), its
     learning-rate schedule and the layout; collective over the whole job
     (``strategy.config.world``, under its timeout: a rank that does not take
     part is named, with the call and the group, instead of a hang). Each rank

@@ -1,7 +1,8 @@
 """``ElasticOptimizer``: the worker side of elastic training.
 
-A :class:`~mpishard.strategies.Strategy` over a DDP, ZeRO-2 or ZeRO-3 core, running the
-one training loop (:func:`~mpishard.train.run_training`).
+A [`Strategy`][mpishard.strategies.base.Strategy] over a DDP, ZeRO-2 or ZeRO-3 core
+(any name of [`STRATEGIES`][mpishard.strategies.registry.STRATEGIES]), running the
+one training loop ([`run_training`][mpishard.train.loop.run_training]).
 On start it resumes from the newest complete checkpoint in its folder, resharded
 to the current world size (the agent behind ``mpishard run`` relaunches the
 workers at a new size after a failure or a change of slots). While training it

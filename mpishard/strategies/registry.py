@@ -39,6 +39,7 @@ class StrategyEntry:
 
     Attributes:
         name: what users type (``strategy="zero2"``, ``--strategy zero2``).
+        title: what the docs call it (``"ZeRO-2"``).
         summary: one line for the docs and ``--help``.
         public: the public class, a [`Strategy`][mpishard.strategies.base.Strategy].
         core: its parallel core (``core(optimizer, config, model=..., **options)``).
@@ -47,6 +48,7 @@ class StrategyEntry:
     """
 
     name: str
+    title: str
     summary: str
     public: str
     core: str
@@ -71,18 +73,18 @@ class StrategyEntry:
 
 _ENTRIES = (
     StrategyEntry(
-        "ddp", "every rank holds the whole model and optimizer state; gradients allreduced",
+        "ddp", "DDP", "every rank holds the whole model and optimizer state; gradients allreduced",
         "mpishard.strategies.ddp:DDPOptimizer", "mpishard.parallel.ddp:DDPCore",
         "mpishard.parallel.hybrid:HybridDDPCore",
         DataParallelCost("ddp", reduce_scatter=False, gathers=0)),
     StrategyEntry(
-        "zero2", "gradients and optimizer state sharded over the data group",
+        "zero2", "ZeRO-2", "gradients and optimizer state sharded over the data group",
         "mpishard.strategies.zero2:ZeRO2Optimizer", "mpishard.parallel.zero2:ZeRO2Core",
         "mpishard.parallel.hybrid:HybridZeRO2Core",
         DataParallelCost("zero2", reduce_scatter=True, gathers=1, sharded_grads=True,
                          sharded_states=True)),
     StrategyEntry(
-        "zero3", "parameters, gradients and optimizer state sharded; a layer's "
+        "zero3", "ZeRO-3", "parameters, gradients and optimizer state sharded; a layer's "
         "parameters gathered just before use",
         "mpishard.strategies.zero3:ZeRO3Optimizer", "mpishard.parallel.zero3:ZeRO3Core",
         "mpishard.parallel.hybrid:HybridZeRO3Core",
@@ -91,8 +93,9 @@ _ENTRIES = (
                          sharded_grads=True, sharded_states=True, gathered_layers=2)),
 )
 
-#: The data-parallel strategies by name, in the docs' order (read only).
 STRATEGIES: Mapping[str, StrategyEntry] = MappingProxyType({e.name: e for e in _ENTRIES})
+"""The data-parallel strategies by name, in the docs' order (read only): ``"ddp"``,
+``"zero2"``, ``"zero3"``."""
 
 
 def unknown_strategy(name: str, what: str = "strategy") -> str | None:
