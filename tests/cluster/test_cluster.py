@@ -34,6 +34,7 @@ from elastic import WORKER, run_reference
 from mpijobs import REPO, SUPPORT, mpi_env, mpirun
 from nscluster import HOSTS, STATE, cluster_local
 from slurmjobs import checkpoint, log, submit, wait
+from strategies import NAMES
 from stuckjob import HOW
 from stuckjob import JOB as STUCK
 
@@ -96,15 +97,18 @@ def test_round_robin_ranks_are_renumbered_node_by_node(cluster):
     assert all("'tp': 1, 'dp': 2, 'pp': 1" in detail for _, _, detail in oks), oks
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("strategy", [*NAMES, "zero3-no-prefetch"])
 def test_data_parallel_across_nodes_matches_serial(cluster, strategy):
+    """Each strategy of the registry with its data group over both nodes (ZeRO-3:
+    every parameter gather crosses the link, with and without prefetch)."""
     oks, _, _ = run_case(cluster, strategy)
     assert hosts_by_rank(oks) == [HOSTS[0], HOSTS[0], HOSTS[1], HOSTS[1]]
     assert all("12 steps, data group over 2 nodes" in detail for _, _, detail in oks), oks
 
 
-def test_tensor_inside_nodes_data_across_matches_serial(cluster):
-    oks, _, _ = run_case(cluster, "tp2-dp2")
+@pytest.mark.parametrize("data_parallel", NAMES)
+def test_tensor_inside_nodes_data_across_matches_serial(cluster, data_parallel):
+    oks, _, _ = run_case(cluster, f"tp2-dp2-{data_parallel}")
     assert all("'tp': 1, 'dp': 2, 'pp': 1" in detail for _, _, detail in oks), oks
 
 

@@ -1,17 +1,20 @@
 """Parallel checkpoints: save on every rank, load at another size and strategy, go on.
 
-Run under ``mpirun -n N python -m pytest --with-mpi -m mpi`` for N = 1, 2, 4. A
-file is written by all N ranks of ``COMM_WORLD``; it is loaded by the first M
-ranks (a sub-communicator of size M = 1, 2, 3, 4 <= N) with DDP or ZeRO-2,
-and training goes on. Each test computes its reference in the same run: the
-same training never stopped, on all N ranks with the writer's strategy.
+Run under ``mpirun -n N python -m pytest --with-mpi -m mpi`` for N = 1, 2, 4 (and
+8 for the 3D layouts). A file is written by all N ranks of ``COMM_WORLD`` with
+each strategy of the registry (DDP, ZeRO-2, ZeRO-3: ``tests/support/strategies.py``);
+it is loaded by the first M ranks (a sub-communicator of size M = 1, 2, 3, 4 <= N)
+with each strategy, and training goes on. Each test computes its reference in
+the same run: the same training never stopped, on all N ranks with the writer's
+strategy, and the saved state handed to the reader's strategy in memory.
 
 Tolerances: right after a load the parameters, the optimizer state, the step
 and the data position equal the saved ones *exactly*, and the continued training
 equals, bit for bit, the same state handed to the new layout in memory without
-a file. Against the uninterrupted run it is bit for bit when nothing about the
-layout changed, and rtol 1e-10 (float64) otherwise, since a different number
-of ranks sums the gradients in another order.
+a file. Against the uninterrupted run it is bit for bit where the reader sums as
+the writer did (the same ranks and strategy, or two sharded strategies with the
+same reduce method, or one rank), and rtol 1e-10 (float64) otherwise, since a
+different number of ranks sums the gradients in another order.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 import pytest
 from layouts import assert_slices, hybrid, mlp_data, mlp_factory
 from mpi4py import MPI
+from strategies import NAMES, SHARDED, build, whole
 from worlds import batch_splits
 
 from mpishard import CheckpointError, ShardingConfiguration
@@ -32,7 +36,8 @@ from mpishard.checkpoint import CheckpointManager, load_checkpoint, save_checkpo
 from mpishard.nn import MLP, FunctionModel
 from mpishard.optim import SGD, AdamW
 from mpishard.optim.schedules import CosineSchedule
-from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer
+from mpishard.strategies import STRATEGIES as REGISTRY
+from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer, ZeRO3Optimizer
 
 pytestmark = pytest.mark.mpi
 
@@ -65,10 +70,9 @@ def make_model(seed=7):
 
 
 def make_strategy(name, comm):
-    kw = {"reduce_method": "reduce_scatter"} if name == "zero2" else {}
-    cls = {"ddp": DDPOptimizer, "zero2": ZeRO2Optimizer}[name]
-    return cls(AdamW(lr=3e-3, weight_decay=0.05), ShardingConfiguration(comm),
-               schedule=SCHEDULE, bucket_mb=1e-4, **kw)
+    kw = {"reduce_method": "reduce_scatter"} if name in SHARDED else {}
+    return build(name, AdamW(lr=3e-3, weight_decay=0.05), ShardingConfiguration(comm),
+                 schedule=SCHEDULE, bucket_mb=1e-4, **kw)
 
 
 def train(strategy, model, epochs, stop=None):
@@ -101,7 +105,7 @@ def reference(writer):
         strategy = make_strategy(writer, WORLD)
         losses = train(strategy, model, EPOCHS)
         assert strategy.step_count == 12
-        _REFERENCES[writer] = (model.params.copy(), np.array(losses), full_state(strategy))
+        _REFERENCES[writer] = (whole(strategy), np.array(losses), full_state(strategy))
     return _REFERENCES[writer]
 
 
@@ -117,7 +121,7 @@ def handed_over(reader, comm, params, state):
         mine[k][...] = state[k][r.start:r.stop]
     strategy.step_count = STOP
     strategy.data_position = dict(POSITION)
-    return model, strategy, train(strategy, model, EPOCHS)   # epochs: the total
+    return strategy, train(strategy, model, EPOCHS)   # epochs: the total
 
 
 def sub_communicator(m):
@@ -136,8 +140,7 @@ def no_mpi_h5py(monkeypatch):
     monkeypatch.setattr(h5py, "get_config", lambda: NoMPI())
 
 
-CASES = [(w, r, m, "auto")
-         for w in ("zero2", "ddp") for r in ("ddp", "zero2") for m in (1, 2, 3, 4)]
+CASES = [(w, r, m, "auto") for w in NAMES for r in NAMES for m in (1, 2, 3, 4)]
 CASES += [("zero2", "ddp", m, "serial") for m in (1, 3)] + [("ddp", "zero2", 2, "no-mpi-h5py")]
 
 
@@ -156,7 +159,17 @@ def test_resume_at_any_size_and_strategy(writer, reader, m, driver, mpi_tmp_path
     first = train(strategy, model, EPOCHS, stop=STOP)
     np.testing.assert_array_equal(first, ref_losses[:STOP])
     save_checkpoint(path, model, strategy, driver="auto" if driver == "no-mpi-h5py" else driver)
-    saved_params, saved_state = model.params.copy(), full_state(strategy)
+    saved_params, saved_state = whole(strategy), full_state(strategy)
+    # The file holds the logical tensors, whatever held them.
+    if WORLD.rank == 0:
+        with h5py.File(path, "r") as f:
+            for spec in make_model().layout:
+                np.testing.assert_array_equal(
+                    f[f"params/{spec.name}"][...],
+                    saved_params[spec.offset:spec.offset + spec.size].reshape(spec.shape))
+                np.testing.assert_array_equal(
+                    f[f"optimizer/exp_avg/{spec.name}"][...].ravel(),
+                    saved_state["exp_avg"][spec.offset:spec.offset + spec.size])
 
     comm = sub_communicator(m)
     if comm != MPI.COMM_NULL:
@@ -169,7 +182,10 @@ def test_resume_at_any_size_and_strategy(writer, reader, m, driver, mpi_tmp_path
         assert info.layout == {"world_size": WORLD.size, "dp": WORLD.size, "tp": 1, "pp": 1,
                                "strategy": writer}
         assert resumed.data_position == POSITION
-        np.testing.assert_array_equal(fresh.params, saved_params)
+        if REGISTRY[reader].cost.sharded_params:    # loaded into the shard, not the model
+            assert fresh.params is None and len(resumed.core.parameter_shard()[1]) == \
+                len(resumed.core.shard)
+        np.testing.assert_array_equal(whole(resumed), saved_params)
         loaded = full_state(resumed)
         assert sorted(loaded) == sorted(saved_state) == ["exp_avg", "exp_avg_sq"]
         for k in saved_state:
@@ -177,14 +193,15 @@ def test_resume_at_any_size_and_strategy(writer, reader, m, driver, mpi_tmp_path
         rest = train(resumed, fresh, EPOCHS)   # epochs is the total: the rest of the run
         assert resumed.step_count == 12 and len(rest) == 12 - STOP
         # Exact: the same as handing the state over in memory, without a file.
-        twin_model, twin, twin_losses = handed_over(reader, comm, saved_params, saved_state)
-        np.testing.assert_array_equal(fresh.params, twin_model.params)
+        twin, twin_losses = handed_over(reader, comm, saved_params, saved_state)
+        np.testing.assert_array_equal(whole(resumed), whole(twin))
         np.testing.assert_array_equal(rest, twin_losses)
-        if (reader, m) == (writer, WORLD.size):
-            np.testing.assert_array_equal(fresh.params, ref_params)
+        same_sums = m == WORLD.size and (reader == writer or {reader, writer} <= set(SHARDED))
+        if same_sums or m == WORLD.size == 1:
+            np.testing.assert_array_equal(whole(resumed), ref_params)
             np.testing.assert_array_equal(rest, ref_losses[STOP:])
-        np.testing.assert_allclose(fresh.params, ref_params, rtol=1e-10, atol=1e-12)
-        np.testing.assert_allclose(rest, ref_losses[STOP:], rtol=1e-10)
+        np.testing.assert_allclose(whole(resumed), ref_params, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(rest, ref_losses[STOP:], rtol=1e-12)
         final = full_state(resumed)
         for k in ref_state:
             np.testing.assert_allclose(final[k], ref_state[k], rtol=1e-9, atol=1e-15)
@@ -299,6 +316,26 @@ def test_manager_at_every_rank(mpi_tmp_path):
     WORLD.Barrier()
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if REGISTRY[n].cost.sharded_params])
+def test_without_the_strategy_is_a_clear_error(name, mpi_tmp_path):
+    """A model whose parameters are sharded (ZeRO-3) holds no whole vector: saving
+    or loading it without its strategy says what to do, on every rank."""
+    model = make_model()
+    strategy = make_strategy(name, WORLD)
+    strategy.attach(model)
+    path = os.path.join(str(mpi_tmp_path), "bare.h5")
+    with pytest.raises(CheckpointError, match="gathered_parameters"):
+        save_checkpoint(path, model)
+    with strategy.gathered_parameters():
+        save_checkpoint(path, model)            # the whole vector: a parameters-only file
+    with pytest.raises(CheckpointError, match="gathered_parameters"):
+        load_checkpoint(path, model)
+    other = make_model(seed=3)
+    load_checkpoint(path, other)
+    np.testing.assert_array_equal(other.params, whole(strategy))
+    WORLD.Barrier()
+
+
 # --- tensor and pipeline parallelism: the same file format ------------------------
 
 @pytest.mark.layout3d   # also at 8 ranks: tp2 x dp4 (the replicated copies kept equal)
@@ -349,5 +386,42 @@ def test_tensor_and_pipeline_parallel_reshard(tp, pp, mpi_tmp_path):
         np.testing.assert_array_equal(
             other.layout.view(other_opt.state["exp_avg_sq"], name),
             whole.layout.view(ddp.state["exp_avg_sq"], shard.logical_name)[shard.index])
+    assert other_opt.step_count == 6 and other_opt.data_position["epoch"] == 2
+    WORLD.Barrier()
+
+
+@pytest.mark.layout3d   # also at 8 ranks: tp2-pp2-dp2
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)],
+                         ids=["tp1-pp1", "tp2", "pp2", "tp2-pp2"])
+def test_3d_zero3_to_whole_zero3_and_back(tp, pp, mpi_tmp_path):
+    """A tensor/pipeline-parallel ZeRO-3 run's file is loaded by ZeRO-3 on the
+    whole model over every rank, both go on alike; the whole model's file is
+    loaded back by a fresh 3D ZeRO-3 layout."""
+    if WORLD.size % (tp * pp):
+        pytest.skip(f"tp={tp} x pp={pp} does not divide a world of {WORLD.size}")
+    folder = str(mpi_tmp_path)
+    data = mlp_data()
+    model, opt = hybrid(WORLD, tp, pp, "zero3", reduce_method="reduce_scatter")
+    opt.optimize(model, data, epochs=1, batch_size=16)
+    path = save_checkpoint(os.path.join(folder, "hybrid.h5"), model, opt)
+    flat = mlp_factory()()
+    plain = ZeRO3Optimizer(AdamW(lr=1e-2, weight_decay=0.01), ShardingConfiguration(WORLD),
+                           reduce_method="reduce_scatter")
+    info = load_checkpoint(path, flat, plain)
+    assert info.layout["strategy"] == "hybrid-zero3" and plain.step_count == opt.step_count == 3
+    with opt.gathered_parameters() as params:
+        assert_slices(model, params, whole(plain), flat.layout, rtol=1e-12)
+    opt.optimize(model, data, epochs=2, batch_size=16)     # epochs is the total
+    plain.optimize(flat, data, epochs=2, batch_size=16)
+    assert plain.step_count == opt.step_count == 6
+    full = whole(plain)
+    with opt.gathered_parameters() as params:
+        assert_slices(model, params, full, flat.layout, rtol=1e-12)
+    back = save_checkpoint(os.path.join(folder, "whole.h5"), flat, plain)
+    other, other_opt = hybrid(WORLD, tp, pp, "zero3", seed_shift=1.0,
+                              reduce_method="reduce_scatter")
+    load_checkpoint(back, other, other_opt)
+    with other_opt.gathered_parameters() as params:
+        assert_slices(other, params, full, flat.layout, rtol=1e-12)
     assert other_opt.step_count == 6 and other_opt.data_position["epoch"] == 2
     WORLD.Barrier()

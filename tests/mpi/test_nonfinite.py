@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 from reference import train_serial
-from strategies import STRATEGIES
+from strategies import STRATEGIES, whole
 
 from mpishard import NonFiniteError, ShardingConfiguration
 from mpishard.nn import MLP, FunctionModel
@@ -107,7 +107,7 @@ def test_raises_on_every_rank_naming_step_and_rank(strategy, kind, mode):
     model, dist = build(strategy, kind, comm, mode)
     for step in range(1, K):
         dist.train_step(*mine(global_batch(step, comm.size, kind), comm.rank))
-    before = model.params.copy()
+    before = whole(dist)
     state = {name: value.copy() for name, value in dist.state.items()}
     with pytest.raises(NonFiniteError) as info:
         dist.train_step(*mine(global_batch(K, comm.size, kind), comm.rank))
@@ -117,13 +117,13 @@ def test_raises_on_every_rank_naming_step_and_rank(strategy, kind, mode):
     assert f"step {K}: non-finite {what}" in str(err)
     assert f"data-parallel rank {first} (world rank {first})" in str(err)
     # Nothing was updated, on any rank.
-    np.testing.assert_array_equal(model.params, before)
+    np.testing.assert_array_equal(whole(dist), before)
     for name, value in dist.state.items():
         np.testing.assert_array_equal(value, state[name], err_msg=name)
     assert dist.step_count == K - 1 and dist.skipped_steps == 0
     # The strategy goes on from there with the next batch.
     assert math.isfinite(dist.train_step(*mine(global_batch(K + 1, comm.size, kind), comm.rank)))
-    assert dist.step_count == K and np.all(np.isfinite(model.params))
+    assert dist.step_count == K and np.all(np.isfinite(whole(dist)))
     dist.verify_in_sync()
 
 
@@ -147,7 +147,7 @@ def test_skip_leaves_the_step_out_on_every_rank(strategy, kind, mode):
     assert dist.skipped_steps == 1 and dist.step_count == STEPS - 1
     assert math.isfinite(losses[K - 1]) == (kind == "nan-gradient")
     assert all(math.isfinite(v) for i, v in enumerate(losses) if i != K - 1)
-    np.testing.assert_allclose(model.params, serial_skipping(kind, comm.size),
+    np.testing.assert_allclose(whole(dist), serial_skipping(kind, comm.size),
                                rtol=1e-10, atol=1e-12)
     dist.verify_in_sync()
 

@@ -16,8 +16,19 @@ import functools
 import numpy as np
 import pytest
 from mpi4py import MPI
-from reference import assert_shards_match, train_serial
-from strategies import STRATEGIES
+from reference import assert_shards_match
+from strategies import STRATEGIES, whole
+from unequal import (
+    COUNTS,
+    MAX_NORM,
+    ROWS,
+    STEPS,
+    comm_fixture,  # noqa: F401  (the ``comm`` fixture)
+    global_batch,
+    my_rows,
+    serial_reference,
+    train,
+)
 
 from mpishard import ShardingConfiguration
 from mpishard.nn import MLP, FunctionModel, ParallelMLP
@@ -30,10 +41,6 @@ from mpishard.strategies import (
 
 pytestmark = pytest.mark.mpi
 
-ROWS = 24
-COUNTS = {1: [24], 2: [10, 14], 3: [7, 4, 13], 4: [9, 0, 8, 7]}
-STEPS = 10
-MAX_NORM = 0.1    # below every gradient norm of these runs: clipping is always active
 SIZES = [5, 7, 7, 3]
 OPTIMIZERS = {
     "sgd": lambda: SGD(lr=0.05, momentum=0.9),
@@ -42,83 +49,8 @@ OPTIMIZERS = {
 MODES = ["plain", "accumulation", "no_sync"]
 
 
-def global_batch(step, n=ROWS):
-    rng = np.random.default_rng([11, step])
-    x = rng.standard_normal((n, 5))
-    w = rng.standard_normal((5, 3))
-    y = np.argmax(x @ w + 0.3 * rng.standard_normal((n, 3)), axis=1)
-    return x, y
-
-
-def my_rows(size, rank, step):
-    """This rank's rows of step ``step``: counts rotate over the ranks."""
-    base = COUNTS[size]
-    counts = [base[(r + step) % size] for r in range(size)]
-    lo = sum(counts[:rank])
-    return lo, lo + counts[rank]
-
-
-def serial_reference(make_model, make_opt, steps=STEPS, max_grad_norm=MAX_NORM, context=False,
-                     batch=global_batch):
-    """One process on all 24 rows of every step, the optimizer called directly
-    (``reference``)."""
-    run = train_serial(make_model(), make_opt(), (batch(step) for step in range(steps)),
-                       max_grad_norm=max_grad_norm, batch_context=context)
-    return run.params, run.losses, run.norms
-
-
-def train(dist, group, mode, steps=STEPS, context=False, batch=global_batch):
-    """The distributed run: this rank's unequal piece of each global batch."""
-    losses = []
-    for step in range(steps):
-        x, y = batch(step)
-        lo, hi = my_rows(group.size, group.rank, step)
-        xs, ys = x[lo:hi], y[lo:hi]
-        if mode == "no_sync":
-            # Two unequal micro-batches, the first without communication.
-            k = (hi - lo) // 3
-            with dist.no_sync():
-                dist.backward(xs[:k], ys[:k], **_where(context, lo, 0, k))
-            dist.backward(xs[k:], ys[k:], **_where(context, lo, k, hi - lo))
-            losses.append(dist.step())
-        elif context:
-            m = dist.accumulation_steps
-            n = hi - lo
-            for j in range(m):
-                a, b = j * n // m, (j + 1) * n // m
-                dist.backward(xs[a:b], ys[a:b], **_where(True, lo, a, b))
-            losses.append(dist.step())
-        else:
-            losses.append(dist.train_step(xs, ys))     # accumulation: an uneven split
-    return np.array(losses)
-
-
-def _where(context, lo, a, b):
-    return {"batch_start": lo + a, "global_rows": ROWS} if context else {}
-
-
 def assert_close(actual, expected, what, rtol=1e-10):
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * 1e-2, err_msg=what)
-
-
-@pytest.fixture(params=["world", "three-of-four"])
-def comm(request):
-    """The communicator a test trains on: the world, or 3 ranks of a 4-rank world
-    (the fourth rank skips)."""
-    world = MPI.COMM_WORLD
-    if request.param == "world":
-        if world.size not in COUNTS:
-            pytest.skip(f"the unequal pieces (COUNTS) are written for 1 to 4 ranks, not "
-                        f"{world.size}")
-        yield world
-        return
-    if world.size != 4:
-        pytest.skip("a 3-rank sub-communicator is taken from a 4-rank world")
-    sub = world.Split(0 if world.rank < 3 else MPI.UNDEFINED, world.rank)
-    if sub == MPI.COMM_NULL:
-        pytest.skip("this rank is outside the 3-rank sub-communicator")
-    yield sub
-    sub.Free()
 
 
 def make_mlp():
@@ -130,7 +62,7 @@ def make_mlp():
 @pytest.mark.parametrize("mode", MODES)
 def test_unequal_batches_match_one_process(comm, strategy, opt_name, mode):
     if mode == "no_sync" and strategy != "ddp":
-        pytest.skip("ZeRO-2 has no no_sync(): it reduces every micro-batch")
+        pytest.skip(f"{strategy} has no no_sync(): it reduces every micro-batch")
     make_opt = OPTIMIZERS[opt_name]
     ref, ref_losses, ref_norms = serial_reference(make_mlp, make_opt)
     assert ref_norms.min() > MAX_NORM          # clipping is active on every step
@@ -142,10 +74,10 @@ def test_unequal_batches_match_one_process(comm, strategy, opt_name, mode):
                                 accumulation_steps=2 if mode == "accumulation" else 1,
                                 model=model)
     losses = train(dist, comm, mode)
-    assert_close(model.params, ref, "parameters")
+    assert_close(whole(dist), ref, "parameters")
     assert_close(losses, ref_losses, "losses")
     assert dist.last_grad_norm == pytest.approx(ref_norms[-1], rel=1e-10)
-    assert not np.allclose(model.params, make_mlp().params)   # it did train
+    assert not np.allclose(whole(dist), make_mlp().params)   # it did train
     dist.verify_in_sync()
 
 
@@ -161,7 +93,7 @@ def test_dropout_with_exact_batch_position(comm, strategy):
     dist = STRATEGIES[strategy](OPTIMIZERS["adamw"](), ShardingConfiguration(comm),
                                 max_grad_norm=MAX_NORM, accumulation_steps=2, model=model)
     losses = train(dist, comm, "accumulation", context=True)
-    assert_close(model.params, ref, "parameters")
+    assert_close(whole(dist), ref, "parameters")
     assert_close(losses, ref_losses, "losses")
 
 
@@ -197,10 +129,12 @@ def regression_batch(step, n=ROWS):
     return x, x @ np.arange(1.0, 6.0) + 0.1 * rng.standard_normal(n)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2-allreduce"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2-allreduce", "zero3-reduce_scatter"])
 @pytest.mark.parametrize("kind", ["function", "no-scale", "no-scale-accumulating"])
 def test_models_without_hooks(comm, strategy, kind):
-    """FunctionModel (scales while copying) and models without loss_scale."""
+    """FunctionModel (scales while copying) and models without loss_scale; they
+    have no parameter hooks, so each keeps its whole vector (ZeRO-3 trains them
+    as ZeRO-2 does)."""
     make = {"function": lambda: FunctionModel(least_squares, np.linspace(-1.0, 1.0, 5)),
             "no-scale": lambda: NoScaleModel(False),
             "no-scale-accumulating": lambda: NoScaleModel(True)}[kind]
@@ -211,9 +145,11 @@ def test_models_without_hooks(comm, strategy, kind):
     model = make()
     dist = STRATEGIES[strategy](make_opt(), ShardingConfiguration(comm), max_grad_norm=5.0,
                                 accumulation_steps=2, model=model)
+    assert model.params is not None
     losses = train(dist, comm, "accumulation", batch=regression_batch)
     assert_close(model.params, ref, "parameters")
     assert_close(losses, ref_losses, "losses")
+    assert dist.memory_report()["parameters"] == model.params.nbytes
 
 
 @pytest.mark.parametrize("data_parallel", ["ddp", "zero2"])

@@ -1,9 +1,13 @@
-"""ZeRO-3 against one process, against ZeRO-2, and what a rank holds.
+"""What only ZeRO-3 does: its gathers and prefetch, what a rank holds, its 3D layouts.
 
-Run under ``mpirun -n N python -m pytest --with-mpi`` for N = 1, 2, 4 (3 ranks: a
-sub-communicator of a 4-rank world; the 3D layout tp2-pp2-dp2 at 8). Every test
-computes its reference in the same run: one process training on the global batch
-with the optimizer called directly (float64, rtol 1e-12 after 10 steps), or
+What every strategy does (against one process, unequal batches, models without
+hooks, checkpoints, non-finite steps, streams) is tested by the suites
+parametrised over the registry (``tests/support/strategies.py``): ZeRO-3 is one
+of their cases. Run under ``mpirun -n N python -m pytest --with-mpi`` for N = 1,
+2, 4 (3 ranks: a sub-communicator of a 4-rank world; the 3D layout tp2-pp2-dp2
+at 8). Every test computes its reference in the same run: one process training
+on the global batch (``tests/support/reference.py``; float64, rtol 1e-12 after
+10 steps), or
 ZeRO-2 on the same ranks (bit for bit: the same sums in the same order, only the
 parameters live elsewhere), or, in reproducible mode, DDP on ``COMM_SELF`` (the
 same SHA-256).
@@ -14,11 +18,21 @@ from __future__ import annotations
 import functools
 import gc
 import hashlib
-import math
 
 import numpy as np
 import pytest
 from mpi4py import MPI
+from strategies import whole
+from unequal import (
+    MAX_NORM,
+    ROWS,
+    STEPS,
+    comm_fixture,  # noqa: F401  (the ``comm`` fixture)
+    global_batch,
+    my_rows,
+    serial_reference,
+    train,
+)
 from worlds import written_for
 
 from mpishard import ShardingConfiguration
@@ -35,12 +49,6 @@ from mpishard.strategies import (
 pytestmark = pytest.mark.mpi
 
 WORLD = MPI.COMM_WORLD
-ROWS = 24
-# Each rank's rows of a step: unequal, one rank with none at 4 ranks; the counts
-# rotate over the ranks from step to step.
-COUNTS = {1: [24], 2: [10, 14], 3: [7, 4, 13], 4: [9, 0, 8, 7]}
-STEPS = 10
-MAX_NORM = 0.1      # below every gradient norm of these runs: clipping always acts
 SIZES = [5, 7, 7, 3]            # 122 parameters: no shard boundary meets a tensor's
 OPTIMIZERS = {
     "sgd": lambda: SGD(lr=0.05, momentum=0.9),
@@ -52,24 +60,10 @@ GATHERS = {"prefetch": {}, "no-prefetch": {"prefetch": False},
 VOCAB, SEQ = 11, 5
 
 
-def global_batch(step, n=ROWS):
-    rng = np.random.default_rng([11, step])
-    x = rng.standard_normal((n, 5))
-    y = np.argmax(x @ rng.standard_normal((5, 3)) + 0.3 * rng.standard_normal((n, 3)), axis=1)
-    return x, y
-
-
 def token_batch(step, n=ROWS):
     rng = np.random.default_rng([12, step])
     x = rng.integers(0, VOCAB, (n, SEQ))
     return x, np.roll(x, -1, axis=1)
-
-
-def my_rows(size, rank, step):
-    base = written_for(COUNTS, size, "the unequal pieces (COUNTS)")
-    counts = [base[(r + step) % size] for r in range(size)]
-    lo = sum(counts[:rank])
-    return lo, lo + counts[rank]
 
 
 def make_mlp():
@@ -80,66 +74,16 @@ def make_gpt():
     return GPT(VOCAB, SEQ, 8, 2, 2, dtype=np.float64, seed=11)
 
 
-def serial_reference(make_model, make_opt, batch=global_batch, steps=STEPS,
-                     max_grad_norm=MAX_NORM):
-    """One process on all rows of every step, the optimizer called directly."""
-    model, opt = make_model(), make_opt()
-    state = opt.init_state(model.params.size, model.params.dtype, np)
-    losses, norms = [], []
-    for step in range(steps):
-        x, y = batch(step)
-        losses.append(model.forward_backward(x, y))
-        norm = math.sqrt(float(np.sum(model.grads ** 2)))
-        norms.append(norm)
-        coef = 1.0
-        if max_grad_norm is not None and max_grad_norm / (norm + 1e-6) < 1.0:
-            coef = max_grad_norm / (norm + 1e-6)
-        opt.update(model.params, model.grads, state, step + 1, opt.lr, coef)
-    return model.params.copy(), np.array(losses), np.array(norms)
-
-
-def train(dist, group, batch=global_batch, steps=STEPS):
-    """This rank's unequal piece of each global batch; the global losses."""
-    losses = []
-    for step in range(steps):
-        x, y = batch(step)
-        lo, hi = my_rows(group.size, group.rank, step)
-        losses.append(dist.train_step(x[lo:hi], y[lo:hi]))
-    return np.array(losses)
-
-
-def whole(strategy):
-    """The whole parameter vector of a strategy's model (gathered under ZeRO-3)."""
-    if isinstance(strategy, ZeRO3Optimizer):
-        with strategy.gathered_parameters() as params:
-            return np.array(params)
-    return np.array(strategy.model.params)
-
-
 def assert_close(actual, expected, what, rtol=1e-12):
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * 1e-2, err_msg=what)
 
 
-@pytest.fixture(params=["world", "three-of-four"])
-def comm(request):
-    """The world, or 3 ranks of a 4-rank world (the fourth rank skips)."""
-    if request.param == "world":
-        yield WORLD
-        return
-    if WORLD.size != 4:
-        pytest.skip("a 3-rank sub-communicator is taken from a 4-rank world")
-    sub = WORLD.Split(0 if WORLD.rank < 3 else MPI.UNDEFINED, WORLD.rank)
-    if sub == MPI.COMM_NULL:
-        pytest.skip("this rank is outside the 3-rank sub-communicator")
-    yield sub
-    sub.Free()
-
-
-# --- against one process ---------------------------------------------------------
 @pytest.mark.parametrize("opt_name", OPTIMIZERS)
-@pytest.mark.parametrize("gathers", GATHERS)
+@pytest.mark.parametrize("gathers", ["no-prefetch", "keep"])   # prefetch: test_unequal.py
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_mlp_matches_one_process(comm, opt_name, gathers, accumulation):
+    """ZeRO-3's gather options other than the default (which test_unequal.py's
+    ``zero3-*`` cases train: the same batches, clipping and checks)."""
     make_opt = OPTIMIZERS[opt_name]
     ref, ref_losses, ref_norms = serial_reference(make_mlp, make_opt)
     assert ref_norms.min() > MAX_NORM
@@ -170,33 +114,13 @@ def test_gpt_matches_one_process(comm, gathers):
     assert_close(losses, ref_losses, "losses")
 
 
-def least_squares(p, x, y):
-    r = x @ p - y
-    return float(r @ r / max(len(y), 1)), 2.0 * x.T @ r / max(len(y), 1)
-
-
-def regression_batch(step, n=ROWS):
-    rng = np.random.default_rng([5, step])
-    x = rng.standard_normal((n, 5))
-    return x, x @ np.arange(1.0, 6.0) + 0.1 * rng.standard_normal(n)
-
-
-def test_model_without_hooks_keeps_its_vector(comm):
-    """A FunctionModel has no parameter hooks: ZeRO-3 trains it as ZeRO-2 does."""
-    def make():
-        return FunctionModel(least_squares, np.linspace(-1.0, 1.0, 5))
-
-    make_opt = OPTIMIZERS["adamw"]
-    ref, ref_losses, _ = serial_reference(make, make_opt, batch=regression_batch,
-                                          max_grad_norm=5.0)
-    model = make()
-    dist = ZeRO3Optimizer(make_opt(), ShardingConfiguration(comm), max_grad_norm=5.0,
-                          accumulation_steps=2, model=model)
+def test_model_without_hooks_gathers_nothing(comm):
+    """A FunctionModel has no parameter hooks: ZeRO-3 keeps its vector and makes no
+    gather (its training against one process: test_unequal.py's
+    ``test_models_without_hooks[...-zero3-reduce_scatter]``)."""
+    model = FunctionModel(lambda p, x, y: (0.0, 0 * p), np.linspace(-1.0, 1.0, 5))
+    dist = ZeRO3Optimizer(AdamW(lr=1e-3), ShardingConfiguration(comm), model=model)
     assert dist.core.gather is None and model.params is not None
-    losses = train(dist, comm, batch=regression_batch)
-    assert_close(model.params, ref, "parameters")
-    assert_close(losses, ref_losses, "losses")
-    assert dist.memory_report()["parameters"] == model.params.nbytes
 
 
 # --- against ZeRO-2, bit for bit ----------------------------------------------------

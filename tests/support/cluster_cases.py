@@ -21,6 +21,7 @@ import warnings
 import numpy as np
 from mpi4py import MPI
 from reference import sampler_batches, train_serial
+from strategies import NAMES, build, whole
 
 from mpishard import ShardingConfiguration, TopologyError
 from mpishard.checkpoint import load_checkpoint, save_checkpoint
@@ -114,41 +115,52 @@ def case_nodemap() -> None:
     report("nodemap", json.dumps({**nodes.as_dict(), "refused": refused, "warned": warned[0]}))
 
 
-def case_data_parallel(strategy: str) -> None:
+def case_data_parallel(strategy: str, *options: str) -> None:
+    """A strategy of the registry with its data group over both nodes (ZeRO-3: every
+    parameter gather crosses the link; ``no-prefetch``: without prefetch)."""
     data = mlp_data()
     ref, ref_losses = serial(make_mlp(), data, BATCH, EPOCHS)
     config = ShardingConfiguration(WORLD)
-    cls = {"ddp": DDPOptimizer, "zero2": ZeRO2Optimizer}[strategy]
     model = make_mlp()
-    dist = cls(make_opt(), config, bucket_mb=1e-4)
+    extra = {"prefetch": False} if "no-prefetch" in options else {}
+    dist = build(strategy, make_opt(), config, bucket_mb=1e-4, **extra)
     result = dist.optimize(model, data, epochs=EPOCHS, batch_size=BATCH)
-    close(model.params, ref.params, "parameters")
+    params = whole(dist)
+    close(params, ref.params, "parameters")
     close(np.array(result.losses), ref_losses, "losses")
     dist.verify_in_sync()
     nodes = len(set(hosts_of(config.groups.dp)))
-    report(strategy, f"{result.steps} steps, data group over {nodes} nodes, "
-                     f"max |diff| {np.max(np.abs(model.params - ref.params)):.2e}")
+    gathers = getattr(dist.core, "gather", None)
+    assert gathers is None or model.params is None     # sharded parameters: no whole vector
+    report("-".join((strategy, *options)),
+           f"{result.steps} steps, data group over {nodes} nodes, "
+           f"max |diff| {np.max(np.abs(params - ref.params)):.2e}"
+           + (f", {gathers.gathers} gathers" if gathers is not None else ""))
 
 
-def case_hybrid(tp: int, pp: int) -> None:
+def case_hybrid(tp: int, pp: int, data_parallel: str = "ddp") -> None:
+    """Tensor or pipeline parallel, ``data_parallel`` (a registry name) over the rest."""
     factory = functools.partial(GPT, VOCAB, SEQ, D, HEADS, BLOCKS, dtype=np.float64, seed=11)
     data = token_data()
     ref, ref_losses = serial(factory(), data, 16, 2)
     config = ShardingConfiguration(WORLD, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     model = HybridShardedModel(factory, config, micro_batches=2)
-    opt = HybridShardedOptimizer(make_opt(), config, model=model)
+    opt = HybridShardedOptimizer(make_opt(), config, model=model, data_parallel=data_parallel,
+                                 bucket_mb=1e-4)
     result = opt.optimize(model, data, epochs=2, batch_size=16)
     close(np.array(result.losses), ref_losses, "losses")
     checked = 0
-    for name, shard in model.tensor_shards().items():
-        full = ref.layout.view(ref.params, shard.logical_name)
-        close(model.layout.view(model.params, name), full[shard.index], name)
-        checked += model.layout.view(model.params, name).size
-    assert checked == model.params.size
+    with opt.gathered_parameters() as params:      # the stage's whole vector
+        for name, shard in model.tensor_shards().items():
+            full = ref.layout.view(ref.params, shard.logical_name)
+            close(model.layout.view(params, name), full[shard.index], name)
+            checked += model.layout.view(params, name).size
+        assert checked == params.size
     opt.verify_in_sync()
     groups = config.groups
     where = {name: len(set(hosts_of(getattr(groups, name)))) for name in ("tp", "dp", "pp")}
-    report(f"hybrid-tp{tp}-pp{pp}", f"{result.steps} steps; nodes spanned by group {where}")
+    report(f"hybrid-tp{tp}-pp{pp}-{data_parallel}", f"{result.steps} steps; nodes spanned by "
+                                                  f"group {where}")
 
 
 def case_checkpoint_write(path: str) -> None:
@@ -266,9 +278,11 @@ def case_hierarchical() -> None:
     report("hierarchical", f"levels {hier.describe()}, chose {record['choice']}")
 
 
-CASES = {"nodemap": case_nodemap, "ddp": lambda: case_data_parallel("ddp"),
-         "zero2": lambda: case_data_parallel("zero2"),
-         "tp2-dp2": lambda: case_hybrid(2, 1), "pp2-dp2": lambda: case_hybrid(1, 2),
+CASES = {"nodemap": case_nodemap,
+         **{name: functools.partial(case_data_parallel, name) for name in NAMES},
+         "zero3-no-prefetch": functools.partial(case_data_parallel, "zero3", "no-prefetch"),
+         **{f"tp2-dp2-{name}": functools.partial(case_hybrid, 2, 1, name) for name in NAMES},
+         "pp2-dp2": lambda: case_hybrid(1, 2),
          "checkpoint-write": case_checkpoint_write, "checkpoint-read": case_checkpoint_read,
          "transport": case_transport, "hierarchical": case_hierarchical}
 
