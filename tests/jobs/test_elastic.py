@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from elastic import WORKER, run_reference
 from mpijobs import mpi_env
+from strategies import NAMES
 
 MPISHARD = [sys.executable, "-m", "mpishard"]
 
@@ -66,7 +67,7 @@ KILL_POINTS = sorted(random.Random(2026).sample(range(5, 20), 2))
 
 @pytest.mark.launch
 @pytest.mark.parametrize("kill_at", KILL_POINTS)
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("strategy", NAMES)
 def test_killed_worker_shrinks_then_grows_back_exactly(tmp_path, kill_at, strategy):
     args = ["--strategy", strategy, "--every", "4"]
     proc, log = run_elastic(tmp_path, args + ["--kill-at", str(kill_at), "--kill-rank", "2"])

@@ -18,6 +18,7 @@ import h5py
 import numpy as np
 import pytest
 from mpijobs import mpi_env, mpirun_command
+from strategies import NAMES
 
 from mpishard.commands.config import plan_runs
 
@@ -38,6 +39,11 @@ def mpishard(n: int, *args: str, timeout: float = 240) -> subprocess.CompletedPr
 def events(path, kind: str) -> list[dict]:
     with open(path) as f:
         return [r for r in map(json.loads, f) if r["event"] == kind]
+
+
+def losses(path) -> list[float]:
+    """The loss of each step of a run's ``metrics.jsonl``."""
+    return [r["loss"] for r in events(path, "step")]
 
 
 def params(path) -> dict[str, np.ndarray]:
@@ -125,6 +131,42 @@ def test_stop_and_resume_continue_exactly(tmp_path):
 
 
 @LAUNCH
+def test_every_strategy_trains_alike_and_resumes_under_another(tmp_path):
+    """``--strategy`` of each name of the registry trains the examples alike
+    (float64 on 2 ranks: each sum has two terms, so the strategies' losses are
+    equal, to rtol 1e-12 step by step); a ZeRO-3 checkpoint resumes under
+    ZeRO-2 at another size with the steps of the uninterrupted run."""
+    common = ["train", "--samples", "512", "--epochs", "2", "--dtype", "float64",
+              "--log-every", "1", "--batch-size", "32"]
+    for example in ("gpt", "burgers"):
+        runs = {}
+        for strategy in NAMES:
+            proc = mpishard(2, *common, "--example", example, "--strategy", strategy,
+                            "--out", str(tmp_path / strategy))
+            assert proc.returncode == 0, proc.stderr
+            runs[strategy] = losses(tmp_path / strategy / example / "metrics.jsonl")
+        first = runs[NAMES[0]]
+        assert len(first) == 32 and first[-1] < first[0]
+        for strategy in NAMES[1:]:
+            np.testing.assert_allclose(runs[strategy], first, rtol=1e-12, atol=0,
+                                       err_msg=strategy)
+    # ZeRO-3 stopped at step 16 (its checkpoint), resumed by ZeRO-2 on 4 ranks: the
+    # steps of the uninterrupted ZeRO-3 run (to rtol 1e-9: 4 ranks sum in another
+    # order than 2).
+    args = [*common, "--example", "burgers"]
+    part = mpishard(2, *args, "--strategy", "zero3", "--max-steps", "16",
+                    "--out", str(tmp_path / "part"))
+    assert part.returncode == 0 and "stopped at --max-steps 16" in part.stdout, part.stderr
+    ckpt = tmp_path / "part/burgers/checkpoints/ckpt-0000000016.h5"
+    again = mpishard(4, *args, "--strategy", "zero2", "--resume", str(ckpt),
+                     "--out", str(tmp_path / "four"))
+    assert again.returncode == 0 and "at step 16" in again.stdout, again.stderr
+    rest = losses(tmp_path / "four" / "burgers" / "metrics.jsonl")
+    assert len(rest) == 16
+    np.testing.assert_allclose(rest, runs["zero3"][16:], rtol=1e-9)
+
+
+@LAUNCH
 def test_sigusr1_writes_a_checkpoint_and_exits_75(tmp_path):
     out = tmp_path / "run"
     args = ["train", "--example", "gpt", "--samples", "1024", "--epochs", "2", "--log-every", "2",
@@ -171,6 +213,23 @@ def test_hybrid_matches_ddp(tmp_path):
         assert len(a) == len(b) == 8
         np.testing.assert_allclose(b, a, rtol=1e-9)
         assert a[-1] < a[0]
+
+
+@LAUNCH
+def test_hybrid_data_parallel_zero3_matches_ddp(tmp_path):
+    """pp 2 x dp 2 with 2 micro-batches (1F1B), ZeRO-3 over each stage's data group
+    (its parameters gathered before each pass of the schedule) trains as DDP does."""
+    common = ["train", "--samples", "256", "--epochs", "1", "--dtype", "float64",
+              "--batch-size", "32", "--example", "gpt", "--log-every", "1"]
+    ddp = mpishard(4, *common, "--out", str(tmp_path / "ddp"))
+    hybrid = mpishard(4, *common, "--strategy", "hybrid", "--pp", "2", "--micro-batches", "2",
+                      "--data-parallel", "zero3", "--out", str(tmp_path / "hybrid"))
+    assert ddp.returncode == 0 and hybrid.returncode == 0, (ddp.stderr, hybrid.stderr)
+    assert "tp 1 x pp 2 x dp 2" in hybrid.stdout
+    a = losses(tmp_path / "ddp" / "gpt" / "metrics.jsonl")
+    b = losses(tmp_path / "hybrid" / "gpt" / "metrics.jsonl")
+    assert len(a) == len(b) == 8
+    np.testing.assert_allclose(b, a, rtol=1e-12)
 
 
 @LAUNCH
