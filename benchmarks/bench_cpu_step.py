@@ -115,7 +115,7 @@ def mpishard_worker(args: argparse.Namespace) -> None:
     from mpishard import ShardingConfiguration
     from mpishard.nn import MLP
     from mpishard.optim import Adam
-    from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer
+    from mpishard.strategies import STRATEGIES
 
     comm = MPI.COMM_WORLD
     sizes = MODELS[args.model]
@@ -123,7 +123,7 @@ def mpishard_worker(args: argparse.Namespace) -> None:
     x = rng.standard_normal((args.rows, sizes[0])).astype(np.float32)
     y = rng.integers(0, sizes[-1], args.rows)
     model = MLP(sizes, dtype=np.float32, seed=0)
-    cls = {"ddp": DDPOptimizer, "zero2": ZeRO2Optimizer}[args.strategy]
+    cls = STRATEGIES[args.strategy].public_class
     options = json.loads(args.options)
     dist = cls(Adam(lr=1e-4), ShardingConfiguration(), model=model, **options)
     for _ in range(args.warmup):

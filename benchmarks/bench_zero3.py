@@ -83,13 +83,14 @@ def emit(record: dict) -> None:
 
 def make_strategy(name: str, config, model, bucket_mb: float):
     from mpishard.optim import Adam
-    from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer, ZeRO3Optimizer
+    from mpishard.strategies import STRATEGIES
 
     kind, options = VARIANTS[name]
-    cls = {"ddp": DDPOptimizer, "zero2": ZeRO2Optimizer, "zero3": ZeRO3Optimizer}[kind]
-    if kind != "ddp":      # pinned: "auto" would time the two at every attach
+    entry = STRATEGIES[kind]
+    if entry.cost.reduce_scatter:   # pinned: "auto" would time the two at every attach
         options = {"reduce_method": "reduce_scatter", **options}
-    return cls(Adam(lr=1e-4), config, model=model, bucket_mb=bucket_mb, **options)
+    return entry.public_class(Adam(lr=1e-4), config, model=model, bucket_mb=bucket_mb,
+                              **options)
 
 
 def make_model(kind: str, layers: int = 0):

@@ -73,7 +73,7 @@ class StrategyEntry:
 
 _ENTRIES = (
     StrategyEntry(
-        "ddp", "DDP", "every rank holds the whole model and optimizer state; gradients allreduced",
+        "ddp", "DDP", "every rank holds the whole model and optimizer state, gradients allreduced",
         "mpishard.strategies.ddp:DDPOptimizer", "mpishard.parallel.ddp:DDPCore",
         "mpishard.parallel.hybrid:HybridDDPCore",
         DataParallelCost("ddp", reduce_scatter=False, gathers=0)),
@@ -84,8 +84,8 @@ _ENTRIES = (
         DataParallelCost("zero2", reduce_scatter=True, gathers=1, sharded_grads=True,
                          sharded_states=True)),
     StrategyEntry(
-        "zero3", "ZeRO-3", "parameters, gradients and optimizer state sharded; a layer's "
-        "parameters gathered just before use",
+        "zero3", "ZeRO-3", "parameters, gradients and optimizer state sharded, each "
+        "layer's parameters gathered just before use",
         "mpishard.strategies.zero3:ZeRO3Optimizer", "mpishard.parallel.zero3:ZeRO3Core",
         "mpishard.parallel.hybrid:HybridZeRO3Core",
         # Gathered twice (forward, backward); prefetch holds two layers gathered.
