@@ -22,7 +22,7 @@ import hashlib
 import numpy as np
 import pytest
 from mpi4py import MPI
-from strategies import whole
+from strategies import SHARDED, build, whole
 from unequal import (
     MAX_NORM,
     ROWS,
@@ -238,9 +238,8 @@ def repro_run(comm, kind, model, dtype, drop_last=True):
         rng = np.random.default_rng(2)
         x = rng.integers(0, VOCAB, (240, SEQ))
         data = x, np.roll(x, -1, axis=1)
-    cls = {"ddp": DDPOptimizer, "zero3": ZeRO3Optimizer}[kind]
-    extra = {"reduce_method": "reduce_scatter", "bucket_mb": 1e-3} if kind == "zero3" else {}
-    dist = cls(AdamW(lr=1e-2, weight_decay=0.01), config, max_grad_norm=0.5, **extra)
+    extra = {"reduce_method": "reduce_scatter", "bucket_mb": 1e-3} if kind in SHARDED else {}
+    dist = build(kind, AdamW(lr=1e-2, weight_decay=0.01), config, max_grad_norm=0.5, **extra)
     result = dist.optimize(net, data, epochs=3, batch_size=48, drop_last=drop_last)
     params = whole(dist)
     config.free()
