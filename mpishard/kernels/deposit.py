@@ -44,7 +44,7 @@ from ..reprosum import (
     words_for,
 )
 from . import deposit_cuda
-from .select import fused_on
+from .select import fused_on, import_numba
 
 __all__ = ["deposit", "deposit_rows", "exact_sum", "max_magnitude", "square_words",
            "to_float"]
@@ -227,8 +227,7 @@ def _numba() -> Any:
 
 
 def _build_numba() -> SimpleNamespace:
-    import numba
-
+    numba = import_numba()
     jit = numba.njit(cache=True, nogil=True)
     # Helpers are inlined into the kernels: no array views or calls per chunk.
     inline = numba.njit(cache=True, nogil=True, inline="always")

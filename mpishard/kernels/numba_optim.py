@@ -17,8 +17,11 @@ per dtype and array layout; loading it back takes 0.15 s).
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from .select import import_numba
+
+numba = import_numba()   # without Numba's colorama: no ESC[0m on stdout at exit
 
 __all__ = ["adam", "sgd", "sgd_plain"]
 

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from types import ModuleType
 
 import numpy as np
 
-__all__ = ["FUSED_MIN_ELEMENTS", "KERNEL_MODES", "fused_on", "kernel_mode", "numba_available"]
+__all__ = ["FUSED_MIN_ELEMENTS", "KERNEL_MODES", "fused_on", "import_numba", "kernel_mode",
+           "numba_available"]
 
 #: What ``MPISHARD_KERNELS`` accepts.
 KERNEL_MODES = ("auto", "reference", "fused")
@@ -51,11 +53,33 @@ def kernel_mode() -> str:
     return mode
 
 
+#: Numba's switch for the highlighting of its error messages (read when it is imported).
+_NO_HIGHLIGHT = "NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING"
+
+
+def import_numba() -> ModuleType:
+    """Numba, imported with its error-message highlighting off unless the caller
+    set ``NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING``. The highlighting calls
+    ``colorama.init()`` at the first compilation, whose exit handler writes
+    ``ESC[0m`` to standard output when it is a terminal (every rank's, under
+    ``mpirun``). The variable is set only while Numba is imported; a program
+    that imported Numba before keeps Numba's own setting."""
+    if "numba" not in sys.modules and _NO_HIGHLIGHT not in os.environ:
+        os.environ[_NO_HIGHLIGHT] = "1"
+        try:
+            import numba
+        finally:
+            del os.environ[_NO_HIGHLIGHT]
+    import numba
+
+    return numba
+
+
 @functools.cache
 def numba_available() -> bool:
     """True when Numba imports (it is compiled lazily, at a kernel's first call)."""
     try:
-        import numba  # noqa: F401
+        import_numba()
     except Exception:  # ImportError, or an llvmlite that does not load here
         return False
     return True
