@@ -1,5 +1,5 @@
-"""The ``mpishard`` command: ``info``, ``train``, ``plot``, ``plan``, ``ckpt inspect`` and
-``ckpt verify``."""
+"""The ``mpishard`` command: ``info``, ``train``, ``ckpt inspect`` and ``ckpt verify``,
+``plot``, ``plan`` and ``run``."""
 
 from __future__ import annotations
 
@@ -87,8 +87,8 @@ def _info(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .commands import add_plot_parser, add_train_parser
 
-    parser = argparse.ArgumentParser(prog="mpishard", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="mpishard")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info = sub.add_parser("info", help="print the MPI, HDF5 and GPU environment")
     info.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     info.set_defaults(func=_info)
@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .launch.command import add_run_parser
 
     add_run_parser(sub)
+    # Plain text (argparse prints it as it is), naming every subcommand added above.
+    parser.description = (f"The mpishard command: {', '.join(sub.choices)}. "
+                          f"mpishard COMMAND --help says more of each.")
     return parser
 
 
