@@ -89,8 +89,11 @@ OPTIONS: tuple[Option, ...] = (
            "gcd(batch, 24): fewer, larger units, faster", _G_PAR),
     Option("fault_tolerance", "str", "auto", "survive a lost rank in place: ulfm (an error "
            "where the job is not under Open MPI 5's mpirun --with-ft ulfm), off, or auto "
-           "(ulfm where available); ddp, zero2 and zero3 go on over the survivors, hybrid "
-           "layouts exit 75 for mpishard run to relaunch", _G_PAR, ("auto", "ulfm", "off")),
+           "(ulfm where available). ddp, zero2 and zero3 go on over the survivors; hybrid "
+           "with 2 or more data-parallel replicas drops each replica that lost a rank (its "
+           "other ranks exit 0) and goes on with the whole ones; hybrid with no whole "
+           "replica left exits 75 for mpishard run to relaunch", _G_PAR,
+           ("auto", "ulfm", "off")),
     Option("d_model", "int", 64, "GPT width", _G_MODEL),
     Option("heads", "int", 4, "GPT attention heads", _G_MODEL),
     Option("layers", "int", 2, "GPT transformer blocks", _G_MODEL),

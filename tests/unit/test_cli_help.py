@@ -45,3 +45,13 @@ def test_top_help_describes_every_subcommand():
 def test_help_has_no_markup(name):
     text = dict(_every_parser())[name].format_help()
     assert not MARKUP.search(text), f"{name} --help shows markup:\n{text}"
+
+
+def test_fault_tolerance_help_says_what_recovery_does():
+    # The faults guide's table: 3D layouts with 2 or more replicas go on in place
+    # (the replicas that lost a rank dropped); only with no whole replica exit 75.
+    train = _subparsers(build_parser())["train"]
+    text = " ".join(next(a.help for a in train._actions if "--fault-tolerance" in a.option_strings)
+                    .split())
+    assert "2 or more data-parallel replicas" in text and "goes on" in text, text
+    assert "no whole replica left exits 75" in text, text
