@@ -29,7 +29,8 @@ class TopologyError(MpiShardError, ValueError):
 
 
 class CheckpointError(MpiShardError):
-    """A checkpoint that is missing, truncated, corrupt, foreign or incompatible."""
+    """A checkpoint that is truncated, corrupt, foreign or incompatible (a missing
+    file raises ``FileNotFoundError``)."""
 
 
 class CommunicationError(MpiShardError, RuntimeError):
