@@ -1,7 +1,7 @@
 """Parallel HDF5 checkpoints that reshard on load.
 
 Model files (``save_model``, ``load_model``, ``model_from_bytes``) moved to
-:mod:`mpishard.models`, the layer above this one."""
+[`mpishard.models`][mpishard.models], the layer above this one."""
 
 from .files import CheckpointManager, checkpoint_name, latest_checkpoint, list_checkpoints
 from .format import FORMAT, FORMAT_VERSION, CheckpointInfo, TensorRecord

@@ -74,7 +74,7 @@ class CheckpointManager:
         manager.save(model, zero2)                   # collective
 
     Every method that takes a model is collective over the whole job (or
-    ``comm`` without a strategy), like :func:`~mpishard.checkpoint.save_checkpoint`;
+    ``comm`` without a strategy), like [`save_checkpoint`][mpishard.checkpoint.save_checkpoint];
     rank 0 creates the folder, scans it and prunes it.
     """
 
@@ -106,7 +106,7 @@ class CheckpointManager:
         parameters only) as ``<prefix>-<step>.h5``, at ``step`` (the strategy's
         ``step_count`` by default), then delete all but the last ``keep``
         checkpoints and any interrupted temporaries. Collective as
-        :func:`~mpishard.checkpoint.save_checkpoint`. Returns the path written."""
+        [`save_checkpoint`][mpishard.checkpoint.save_checkpoint]. Returns the path written."""
         comm = Placement.of(model, as_strategy(optimizer), comm).world
         if step is None:
             step = optimizer.step_count if optimizer is not None else 0
@@ -129,7 +129,7 @@ class CheckpointManager:
     def load_latest(self, model: Any, optimizer: Any = None, *, comm: Any = None,
                     strict_architecture: bool = True) -> CheckpointInfo | None:
         """Load the latest checkpoint, if there is one (rank 0 scans, all agree),
-        as :func:`~mpishard.checkpoint.load_checkpoint` does. Returns its info, or
+        as [`load_checkpoint`][mpishard.checkpoint.load_checkpoint] does. Returns its info, or
         None when the folder holds none."""
         comm = Placement.of(model, as_strategy(optimizer), comm).world
         with comm.during(f"CheckpointManager.load_latest from {self.folder}"), \

@@ -1,9 +1,9 @@
 """``save_checkpoint`` / ``load_checkpoint``: a training job's state, at any layout.
 
 This module is the adapter between the strategies and the layout-free core
-(:mod:`~mpishard.checkpoint.write`, :mod:`~mpishard.checkpoint.read`). A rank's
+(`mpishard.checkpoint.write`, `mpishard.checkpoint.read`). A rank's
 model holds a *local* flat vector of ``n`` elements whose tensors are slices of
-*logical* tensors (:class:`~mpishard.nn.shards.TensorShard`: the whole tensor
+*logical* tensors ([`TensorShard`][mpishard.nn.TensorShard]: the whole tensor
 under DDP and ZeRO-2; a tensor-parallel slice, or a copy replicated over the
 tensor group, and only its pipeline stage's layers under 3D parallelism). Two
 ranges of the local vector are named, on data-parallel rank ``r`` of ``N``:
@@ -21,7 +21,7 @@ ranges of the local vector are named, on data-parallel rank ``r`` of ``N``:
 Of a tensor replicated over the tensor group only tensor rank 0 writes (and
 verifies) its elements. A range of the local vector crosses tensor boundaries
 and, inside a tensor, is a run of the slice's C order that
-:func:`~mpishard.checkpoint.blocks.flat_blocks` cuts into at most ``2 * ndim - 1``
+`flat_blocks` cuts into at most ``2 * ndim - 1``
 hyperslabs of the slice, each shifted by the slice's offset into the logical
 tensor. On load every rank reads its share of the parameters (and of replicated
 state) into a staging buffer, every dataset is verified, and only then are the
@@ -76,11 +76,11 @@ class Placement:
     ``world``: the whole job (every collective of a save or load);
     ``dp``: the ranks holding the same shard (parameters are split among them
     to be written and read, then gathered); both are the groups'
-    :class:`~mpishard.comm.FlatComm` (``None``: one process, no MPI);
+    [`FlatComm`][mpishard.comm.FlatComm] (``None``: one process, no MPI);
     ``tp_rank``: a tensor replicated over
     the tensor group is written and verified by tensor rank 0 only;
     ``pp_rank``: orders the stages' tensors; ``shards``: each local tensor's
-    :class:`~mpishard.nn.shards.TensorShard`, by local name.
+    [`TensorShard`][mpishard.nn.TensorShard], by local name.
     """
 
     world: FlatComm | None
@@ -94,7 +94,7 @@ class Placement:
         """The placement of ``model`` under ``strategy`` (or, without one, its own
         configuration if it is a model-parallel model, else ``comm`` as one data group).
 
-        ``comm``: a :class:`~mpishard.comm.FlatComm`, an MPI intra-communicator
+        ``comm``: a [`FlatComm`][mpishard.comm.FlatComm], an MPI intra-communicator
         (wrapped once here, as the group "checkpoint", without a timeout), or
         ``None`` for ``MPI.COMM_WORLD``; ignored when a configuration decides.
         """
@@ -224,7 +224,7 @@ def _json(value: Any) -> str:
 #: The keys of a strategy's ``data_position`` (all ints), stored as ``/data``.
 DATA_POSITION_KEYS = ("epoch", "samples_consumed", "seed", "batch_size", "num_samples", "shuffle")
 #: Keys stored when the position has them: ``batches``, a stream's batch count
-#: (:class:`~mpishard.data.BatchStream`).
+#: (`BatchStream`).
 OPTIONAL_POSITION_KEYS = ("batches",)
 
 
@@ -263,7 +263,7 @@ def root_attrs(kind: str, step: int, epoch: int, world: int, dp: int, tp: int, p
 
 def model_attrs(model: Any) -> dict[str, Any] | None:
     """``/model`` attributes: the architecture (when known) and the metadata, from a
-    :class:`~mpishard.protocols.DescribedModel` (None for any other model)."""
+    [`DescribedModel`][mpishard.protocols.DescribedModel] (None for any other model)."""
     if not isinstance(model, DescribedModel):
         return None
     arch = model.architecture()
@@ -291,7 +291,7 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     part is named, with the call and the group, instead of a hang). Each rank
     writes its share of its parameters and its part of the state, as logical
     tensors. With ``optimizer=None`` only the parameters, collective over
-    ``comm`` (a :class:`~mpishard.comm.FlatComm` or an MPI communicator;
+    ``comm`` (a [`FlatComm`][mpishard.comm.FlatComm] or an MPI communicator;
     ``MPI.COMM_WORLD`` by default; a model-parallel model's own configuration
     when it has one).
 
@@ -469,13 +469,13 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
 
     The strategy's settings are the caller's: its optimizer hyperparameters,
     clipping (``max_grad_norm``) and accumulation are kept, and where they
-    differ from the file's a :class:`~mpishard.errors.CheckpointWarning` says
+    differ from the file's a [`CheckpointWarning`][mpishard.errors.CheckpointWarning] says
     so (on rank 0). The learning-rate schedule likewise, except that a strategy
     made without one (``schedule=None``) takes the file's
     (``schedule_from_dict(info.schedule)``). What was found different or taken
     is listed in ``info.notes``, the same on every rank.
 
-    Returns the file's :class:`~mpishard.checkpoint.format.CheckpointInfo`.
+    Returns the file's [`CheckpointInfo`][mpishard.checkpoint.CheckpointInfo].
 
     Raises:
         FileNotFoundError: no file at ``path`` (every rank).

@@ -1,12 +1,12 @@
 """Writing logical tensors from many ranks into one sealed HDF5 file, atomically.
 
-The unit every strategy speaks is a :class:`Piece`: a hyperslab (block) of one
+The unit every strategy speaks is a `Piece`: a hyperslab (block) of one
 logical tensor that this rank holds and is the designated writer of. Replicated
 data must be given by exactly one rank (the coverage check below catches a
 gap or an overlap). A data-parallel rank gives its share of the flat vectors
-(:mod:`~mpishard.checkpoint.state`); a tensor-parallel rank will give its
+(`mpishard.checkpoint.state`); a tensor-parallel rank will give its
 slice of a split weight; a pipeline stage only its layers' tensors. Every rank
-declares the :class:`LogicalTensor` s it knows; the union, in one order agreed
+declares the `LogicalTensor`s it knows; the union, in one order agreed
 by all, is what the file holds, because HDF5 creates datasets collectively.
 
 Order of a save (collective over ``comm``):
@@ -25,10 +25,10 @@ Order of a save (collective over ``comm``):
    folder. A rank that dies before this leaves only the temporary file behind.
 
 Every message between the ranks goes through a
-:class:`~mpishard.comm.FlatComm` under its timeout, so a rank that does not
+[`FlatComm`][mpishard.comm.FlatComm] under its timeout, so a rank that does not
 take part is named with the call and the group; HDF5's own collectives (step 3,
 ``mpio``) are entered behind a timed barrier and under a deadline
-(:func:`~mpishard.comm.hdf5_deadline`).
+([`hdf5_deadline`][mpishard.comm.hdf5_deadline]).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def _declarations(tensors: Sequence[LogicalTensor]) -> list[tuple]:
 def write_image(tensors: Sequence[LogicalTensor], pieces: Sequence[Piece],
                 attrs: dict[str, dict[str, Any]], name: str = "<bytes>",
                 order_groups: Sequence[str] = ()) -> bytes:
-    """The sealed checkpoint file of :func:`write_checkpoint_file`, built in memory
+    """The sealed checkpoint file of `write_checkpoint_file`, built in memory
     by this process alone (``pieces`` must cover every tensor).
 
     Raises:
@@ -234,7 +234,7 @@ def write_checkpoint_file(path: str | os.PathLike, comm: FlatComm | None,
     (``None``: this process alone), under its timeout: the write runs on a
     duplicate of ``comm`` named "checkpoint", so its messages never meet the
     caller's, and HDF5's own collectives are entered only once every rank has
-    arrived, with a deadline (:func:`~mpishard.comm.hdf5_deadline`).
+    arrived, with a deadline ([`hdf5_deadline`][mpishard.comm.hdf5_deadline]).
 
     ``tensors`` are the datasets this rank knows of, ``pieces`` what it writes;
     ``attrs`` maps a group (``"/"``, ``"params"``, ``"optimizer"``, ...) to its

@@ -2,7 +2,7 @@
 
 ``reduce_scatter`` or ``allreduce`` for ZeRO-2's buckets, flat or in two levels
 across nodes, reducing during the backward or after it: each is decided by
-:func:`time_alternatives`, one rule for all, so that every rank picks the same
+`time_alternatives`, one rule for all, so that every rank picks the same
 way and a transient slowdown of the machine hits every way alike.
 """
 
@@ -64,8 +64,8 @@ def agree_on_faster(group: FlatComm, times: dict[str, Any], default: str,
     """``default``, or the alternative whose slowest time over ``group`` beats the
     slowest ``default`` by ``margin``; the same on every rank.
 
-    For :func:`mpishard.comm.hierarchical.choose` in a 3D layout, whose data
-    groups measure flat against two levels separately but must choose alike. A
+    For [`mpishard.comm.hierarchical.choose`][mpishard.comm.hierarchical.choose] in a 3D layout,
+    whose data groups measure flat against two levels separately but must choose alike. A
     rank that measured nothing (a stage without parameters) passes an empty
     ``times`` and does not count; an alternative is a candidate only where every
     rank that measured had it (the choice is made on every rank). Collective over
@@ -87,7 +87,8 @@ def reduce_once(comm: Any, kind: str, blocking: bool, buf: Any, recv: Any,
     """One gradient reduction of ``buf`` as the strategies make it, for timing:
     ``kind`` ``"allreduce"`` (in place) or ``"reduce_scatter"`` (into ``recv``, this
     rank's ``counts`` entry), blocking or non-blocking and waited for. ``comm`` is a
-    :class:`FlatComm` or anything with its buffer calls. Collective over ``comm``.
+    [`FlatComm`][mpishard.comm.FlatComm] or anything with its buffer calls. Collective over
+    ``comm``.
     """
     if kind == "allreduce":
         if blocking:

@@ -140,7 +140,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
 
 @dataclass
 class Settings:
-    """Everything one run needs, resolved (see :data:`OPTIONS` for each field)."""
+    """Everything one run needs, resolved (see `OPTIONS` for each field)."""
 
     run: str
     example: str
@@ -196,7 +196,8 @@ class Settings:
 # --- the command line ------------------------------------------------------------
 
 class _Parser(argparse.ArgumentParser):
-    """Errors become :class:`UsageError` (one line, rank 0 only); help prints on rank 0."""
+    """Errors become [`UsageError`][mpishard.errors.UsageError] (one line, rank 0 only); help prints
+    on rank 0."""
 
     def error(self, message: str):   # noqa: D401 - argparse's API
         raise UsageError(f"{message} (see mpishard train --help)")
@@ -276,7 +277,7 @@ def _ints(text: str) -> list[int]:
 # --- the TOML file ---------------------------------------------------------------
 
 def load_toml(path: str) -> dict[str, Any]:
-    """The options in the TOML file ``path``, checked against :data:`OPTIONS`.
+    """The options in the TOML file ``path``, checked against `OPTIONS`.
 
     Tables group keys for readability and are flattened: ``[model] d_model = 64``
     is ``d_model = 64``.

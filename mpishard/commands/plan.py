@@ -1,4 +1,5 @@
-"""``mpishard plan``: print the cost model's predictions (:mod:`mpishard.costmodel`).
+"""``mpishard plan``: print the cost model's predictions
+([`mpishard.costmodel`][mpishard.costmodel]).
 
     mpishard plan --table                     # 64 .. 4096 ranks of a 7B GPT
     mpishard plan --tp 8 --pp 4 --dp 16       # one layout

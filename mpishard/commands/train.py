@@ -1,7 +1,7 @@
 """``mpishard train``: build each run's data, model and strategy, train it, summarise.
 
 Started on every rank (``mpirun -n N mpishard train ...`` or ``srun``). The
-settings (:mod:`mpishard.commands.config`) are parsed identically on every
+settings (`mpishard.commands.config`) are parsed identically on every
 rank, so bad input is found everywhere at once; a check whose outcome can
 differ between ranks (a file that one node does not see) is agreed on first.
 Either way every rank returns exit code 2 and only rank 0 prints one line.
@@ -42,7 +42,7 @@ _VALIDATION_BURGERS = 1024  # held-out solutions
 
 @dataclass
 class Run:
-    """One run, set up: what :func:`_train` needs and what the summary says."""
+    """One run, set up: what `_train` needs and what the summary says."""
 
     settings: Settings
     config: Any
@@ -59,7 +59,7 @@ class Run:
 def add_train_parser(sub: Any) -> None:
     """Add ``train`` to the subcommands ``sub`` of ``mpishard``.
 
-    ``mpishard.cli.main`` hands ``train ARGV`` to :func:`main` before its own
+    ``mpishard.cli.main`` hands ``train ARGV`` to `main` before its own
     parser sees it, so that a bad flag is one line on rank 0 (argparse would
     print the usage on every rank); this entry serves ``mpishard --help``.
     """
@@ -123,7 +123,8 @@ def run_given(given: dict[str, Any]) -> int:
 
 def _ended(comm: FlatComm, code: int, lost: bool) -> int:
     """``code``, or after a lost rank the end of the process with it (no
-    ``MPI_Finalize``, which may wait for the dead rank: :func:`mpishard.comm.ulfm.leave`)."""
+    ``MPI_Finalize``, which may wait for the dead rank:
+    [`mpishard.comm.ulfm.leave`][mpishard.comm.ulfm.leave])."""
     if lost:
         from ..comm import ulfm
 
@@ -142,7 +143,7 @@ def _agreed(comm: FlatComm, what: str, fn: Callable[[], Any],
             errors: tuple[type[BaseException], ...], fix: str = "",
             fix_for: tuple[type[BaseException], ...] | None = None) -> Any:
     """``fn()`` on every rank; if it raised ``errors`` on any rank, a
-    :class:`UsageError` with the lowest such rank's message on every rank.
+    [`UsageError`][mpishard.errors.UsageError] with the lowest such rank's message on every rank.
     ``fix`` is appended to the message (only for ``fix_for`` errors, if given).
     Collective over ``comm``."""
     value, message = None, None

@@ -47,7 +47,7 @@ class ArrayDataset:
 
         Device data and a device model: the rows are gathered on the GPU (the
         indices are copied up once); host data and a device model: gathered on
-        the host into pinned memory and copied up once (:mod:`~mpishard.data.transfer`).
+        the host into pinned memory and copied up once (`mpishard.data.transfer`).
         """
         mover = self._mover()
         xp = array_namespace(x_out)
@@ -66,10 +66,11 @@ class ArrayDataset:
 
 
 class StreamingDataset(ArrayDataset):
-    """An :class:`ArrayDataset` that grows: :meth:`append` adds samples at the end
-    (samples a running simulation sends, say) while earlier ones stay where they are.
+    """An [`ArrayDataset`][mpishard.data.ArrayDataset] that grows:
+    [`append`][mpishard.data.StreamingDataset.append] adds samples at the end (samples a running
+    simulation sends, say) while earlier ones stay where they are.
 
-    Training on it follows the growth rule of :mod:`mpishard.data.sampler`: each
+    Training on it follows the growth rule of `mpishard.data.sampler`: each
     epoch covers the samples present when it starts, so ``optimize(model, data,
     epochs=e + 1, ...)`` after the ``e``-th batch of new samples trains one more
     epoch over everything received so far. Every rank must append the same

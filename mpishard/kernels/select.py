@@ -4,7 +4,7 @@
 
 * ``auto`` (the default): fused where a fused version exists for the array's
   library (Numba on the CPU when it imports, for arrays of at least
-  :data:`FUSED_MIN_ELEMENTS`; the CuPy kernels on a GPU unless
+  `FUSED_MIN_ELEMENTS`; the CuPy kernels on a GPU unless
   ``MPISHARD_GPU_KERNELS=0``, see below), else the NumPy twin;
 * ``reference``: always the NumPy twin (the bits of the reference path; slower);
 * ``fused``: the fused version wherever one exists (an error where it cannot run).
@@ -44,7 +44,7 @@ def kernel_mode() -> str:
     """``MPISHARD_KERNELS`` (``auto`` when unset).
 
     Raises:
-        ValueError: a value outside :data:`KERNEL_MODES`.
+        ValueError: a value outside `KERNEL_MODES`.
     """
     mode = os.environ.get("MPISHARD_KERNELS", "auto").strip().lower() or "auto"
     if mode not in KERNEL_MODES:
@@ -93,7 +93,7 @@ def fused_on(xp: ModuleType, elements: int | None = None) -> bool:
     """Whether kernels on arrays of ``xp`` (``numpy`` or ``cupy``) run fused.
 
     ``elements``: the size of the arrays at hand; under ``auto`` fewer than
-    :data:`FUSED_MIN_ELEMENTS` run the NumPy twin on the CPU.
+    `FUSED_MIN_ELEMENTS` run the NumPy twin on the CPU.
 
     Raises:
         RuntimeError: ``MPISHARD_KERNELS=fused`` where no fused version can run

@@ -1,4 +1,5 @@
-"""Layers with parameters: :class:`Linear` and :class:`LayerNorm`."""
+"""Layers with parameters: [`Linear`][mpishard.nn.Linear] and
+[`LayerNorm`][mpishard.nn.LayerNorm]."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class Linear(Layer):
     """
 
     #: The bias may be left to the activation after it (see
-    #: :func:`~mpishard.nn.activations.pair_bias_activations`); ``defer_bias``
+    #: `pair_bias_activations`); ``defer_bias``
     #: says it was, and the output is then ``x @ W`` alone.
     folds_bias = True
     defer_bias = False

@@ -1,4 +1,5 @@
-"""Losses, each the mean over the rows of a batch: :class:`SoftmaxCrossEntropy`, :class:`MSELoss`.
+"""Losses, each the mean over the rows of a batch:
+[`SoftmaxCrossEntropy`][mpishard.nn.SoftmaxCrossEntropy], [`MSELoss`][mpishard.nn.MSELoss].
 
 A mean over the rows *given* makes the loss of a data-parallel rank the mean of
 its rows; a strategy combines the ranks' values weighted by their row counts to
@@ -23,10 +24,11 @@ __all__ = [
 
 
 class Loss:
-    """The last step of a :class:`~mpishard.nn.Sequential`: model output and target to a number.
+    """The last step of a [`Sequential`][mpishard.nn.Sequential]: model output and target to a
+    number.
 
-    Like a layer, a loss keeps its scratch in buffers made by :meth:`allocate`
-    once per batch shape; :meth:`loss_and_grad` returns the loss and
+    Like a layer, a loss keeps its scratch in buffers made by `allocate`
+    once per batch shape; `loss_and_grad` returns the loss and
     d(loss)/d(output) (the buffer ``buf["grad"]``).
 
     The loss is returned as a scalar of the backend (a 0-d CuPy array on a
@@ -52,7 +54,7 @@ class Loss:
         raise NotImplementedError
 
     def config(self) -> dict[str, Any] | None:
-        """The loss as JSON, or None (see :meth:`~mpishard.nn.Layer.config`)."""
+        """The loss as JSON, or None (see [`config`][mpishard.nn.Layer.config])."""
         return no_argument_config(self, Loss)
 
     def __repr__(self) -> str:

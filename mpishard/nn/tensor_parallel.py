@@ -1,16 +1,16 @@
 """Megatron-style tensor parallelism: column- and row-parallel Linear, vocabulary-parallel
-cross-entropy, and :class:`ParallelMLP`.
+cross-entropy, and [`ParallelMLP`][mpishard.nn.ParallelMLP].
 
 The group of ``p`` tensor-parallel ranks is given as a
-:class:`~mpishard.comm.FlatComm` (``tp_comm``); every rank of it sees the same
+[`FlatComm`][mpishard.comm.FlatComm] (``tp_comm``); every rank of it sees the same
 input rows. Megatron's two conjugate operators place the communication:
 
 * ``f``: identity in forward, Allreduce of the input gradient in backward. It
-  sits before a :class:`ColumnParallelLinear` (or the three projections of an
-  attention), whose input is the full activation held on every rank.
+  sits before a [`ColumnParallelLinear`][mpishard.nn.ColumnParallelLinear] (or the three projections
+  of an attention), whose input is the full activation held on every rank.
 * ``g``: Allreduce in forward, identity in backward. It sits after a
-  :class:`RowParallelLinear`, which multiplies a split activation by its rows of
-  the weight and so holds a partial sum of the output.
+  [`RowParallelLinear`][mpishard.nn.RowParallelLinear], which multiplies a split activation by its
+  rows of the weight and so holds a partial sum of the output.
 
 A column-parallel Linear followed by a row-parallel one (an MLP, an attention)
 therefore costs one Allreduce in forward and one in backward, each of the size
@@ -21,7 +21,7 @@ identical on every rank.
 
 With ``tp_comm=None`` (or a group of one) the layers are plain layers and
 communicate nothing; their parameters and results equal those of
-:class:`~mpishard.nn.Linear` exactly.
+[`Linear`][mpishard.nn.Linear] exactly.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ __all__ = [
 
 
 def tensor_parallel_comm(comm: Any) -> FlatComm | None:
-    """``comm`` as a :class:`FlatComm`: a FlatComm, an mpi4py communicator
+    """``comm`` as a [`FlatComm`][mpishard.comm.FlatComm]: a FlatComm, an mpi4py communicator
     (``config.groups.tp``, named "tensor-parallel"), or None (no tensor parallelism).
 
     Raises:
@@ -95,7 +95,7 @@ def draw_linear(rng: np.random.Generator, layer: Layer, shapes: dict[str, tuple[
     """Draw a Linear's full weight (then bias) from ``rng`` and keep the layer's slices.
 
     ``init_std=None``: PyTorch's ``nn.Linear`` default, uniform in
-    ``[-1/sqrt(fan_in), 1/sqrt(fan_in)]`` for both, as :class:`Linear`;
+    ``[-1/sqrt(fan_in), 1/sqrt(fan_in)]`` for both, as [`Linear`][mpishard.nn.Linear];
     otherwise weight normal with that deviation and bias zero (GPT-2).
     """
     for name, shape in shapes.items():
@@ -126,7 +126,7 @@ class ColumnParallelLinear(Layer):
     computed and waited for after (the Allreduce overlaps that matmul).
     ``reduce_input_grad=False`` leaves the reduction to the caller.
 
-    Initialisation draws the full ``(in, out)`` weight as :class:`Linear` does
+    Initialisation draws the full ``(in, out)`` weight as [`Linear`][mpishard.nn.Linear] does
     (or normal with ``init_std`` and zero bias) and keeps its slice, so the
     model does not depend on ``p``.
 
@@ -134,7 +134,7 @@ class ColumnParallelLinear(Layer):
         ValueError: ``out_features`` not divisible by ``p``; not positive sizes.
     """
 
-    #: The bias may be left to the activation after it (as :class:`Linear`'s).
+    #: The bias may be left to the activation after it (as `Linear`'s).
     folds_bias = True
     defer_bias = False
 
@@ -237,10 +237,10 @@ class RowParallelLinear(Layer):
     """``y = x @ W + b`` with the **input features split** over the tensor-parallel group.
 
     Rank ``r`` of ``p`` holds ``W[r*in/p:(r+1)*in/p, :]`` and reads the matching
-    features of a split input (the output of a :class:`ColumnParallelLinear`).
-    Forward: the partial products are all-reduced over ``tp_comm`` (Megatron's
-    ``g``) and the bias, held in full on every rank, is added after the
-    reduction. Backward: identity (no communication); the input gradient is
+    features of a split input (the output of a
+    [`ColumnParallelLinear`][mpishard.nn.ColumnParallelLinear]). Forward: the partial products are
+    all-reduced over ``tp_comm`` (Megatron's ``g``) and the bias, held in full on every rank, is
+    added after the reduction. Backward: identity (no communication); the input gradient is
     this rank's features only.
 
     Raises:
@@ -345,7 +345,8 @@ class VocabParallelCrossEntropy(Loss):
     communication. Megatron uses three Allreduces (max, target logit, sum of
     exponentials); this is one collective of the same size.
 
-    With ``tp_comm=None`` it equals :class:`SoftmaxCrossEntropy` to rounding.
+    With ``tp_comm=None`` it equals [`SoftmaxCrossEntropy`][mpishard.nn.SoftmaxCrossEntropy] to
+    rounding.
     """
 
     def __init__(self, vocab_size: int, tp_comm: FlatComm | None = None) -> None:
@@ -430,7 +431,7 @@ class _ColumnSliceDropout(Dropout):
     """Dropout after a column-parallel layer: this rank's columns of the full-width mask.
 
     The mask is drawn for the full width, exactly as the serial model's
-    :class:`Dropout` draws it, and columns ``[lo, hi)`` are used, so the
+    [`Dropout`][mpishard.nn.Dropout] draws it, and columns ``[lo, hi)`` are used, so the
     tensor-parallel model drops the same elements as the serial one.
     """
 
@@ -461,7 +462,7 @@ _LOSSES: dict[str, type[Loss]] = {"cross_entropy": SoftmaxCrossEntropy, "mse": M
 
 
 class ParallelMLP(Described, LayerStack):
-    """:class:`~mpishard.nn.MLP`, tensor-parallel over ``tp_comm`` and/or one pipeline stage.
+    """[`MLP`][mpishard.nn.MLP], tensor-parallel over ``tp_comm`` and/or one pipeline stage.
 
     Same arguments, layers, tensor names and initial values as ``MLP(sizes,
     ...)``; with ``tp_comm=None`` and ``stage_layers=None`` it *is* that MLP
@@ -474,7 +475,7 @@ class ParallelMLP(Described, LayerStack):
     columns; dropout there uses this rank's columns of the serial model's mask.
 
     ``stage_layers=(start, stop)`` builds top-level layers ``[start, stop)`` only
-    (see :class:`~mpishard.nn.stack.LayerStack` for the stage API);
+    (see [`LayerStack`][mpishard.nn.LayerStack] for the stage API);
     the indices are those of the MLP's layers (Linear, [LayerNorm], activation,
     [Dropout], Linear, ...).
 
@@ -538,7 +539,7 @@ class ParallelMLP(Described, LayerStack):
                          stage_layers=stage_layers)
 
     def config(self) -> dict[str, Any]:
-        """The whole model as JSON (:func:`~mpishard.nn.model_from_config` builds it).
+        """The whole model as JSON ([`model_from_config`][mpishard.nn.model_from_config] builds it).
 
         ``tp_comm`` and ``stage_layers`` are not recorded: a checkpoint holds the
         logical tensors of every stage, and the record describes that model, which

@@ -1,5 +1,5 @@
-"""The one training loop (:func:`run_training`), behind every ``optimize()``,
-``ElasticOptimizer`` and ``mpishard train``: feeding, reporting and the step loop,
+"""The one training loop ([`run_training`][mpishard.train.loop.run_training]), behind every
+``optimize()``, ``ElasticOptimizer`` and ``mpishard train``: feeding, reporting and the step loop,
 its option groups, its result, stop requests and evaluation."""
 
 from .._deprecated import forward_names
@@ -10,7 +10,7 @@ from .progress import interactive_output, peak_rss_bytes
 from .result import TrainResult
 from .signals import StopRequest
 
-#: The former name of :class:`TrainResult` (``run_training``'s report); the same class.
+#: The former name of `TrainResult` (``run_training``'s report); the same class.
 TrainingReport = TrainResult
 
 __all__ = [

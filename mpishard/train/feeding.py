@@ -1,8 +1,8 @@
 """Feeding the loop: this rank's rows of each global batch, and the data position.
 
-A dataset (an ``(x, y)`` pair, a :class:`~mpishard.protocols.Dataset` or a
-:class:`~mpishard.protocols.CollectiveDataset`) is read through the resumable
-sampler (:mod:`mpishard.data.sampler`); a :class:`~mpishard.data.BatchStream` one
+A dataset (an ``(x, y)`` pair, a [`Dataset`][mpishard.protocols.Dataset] or a
+[`CollectiveDataset`][mpishard.protocols.CollectiveDataset]) is read through the resumable
+sampler (`mpishard.data.sampler`); a [`BatchStream`][mpishard.data.BatchStream] one
 global batch per step, as it comes. The rules (epochs are a total, the data
 position wins, data may grow, streams) are on the docs site's training-loop page.
 """

@@ -4,8 +4,8 @@
 Its rules (epochs are a total, the data position wins, data may grow, streams,
 stops, checkpoints, callbacks, the metrics records, a lost rank) are stated once,
 on the docs site's training-loop page (``docs/guide/training-loop.md``). Feeding
-is :mod:`~mpishard.train.feeding`'s, reporting :mod:`~mpishard.train.reporting`'s,
-what happens after a lost rank :mod:`mpishard.recovery`'s.
+is [`feeding`][mpishard.train.feeding]'s, reporting [`reporting`][mpishard.train.reporting]'s,
+what happens after a lost rank [`mpishard.recovery`][mpishard.recovery]'s.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
     or the callback. Collective over ``strategy.config.world``.
 
     ``data``, ``epochs``, ``batch_size`` and ``callback(step, loss)`` are
-    ``optimize()``'s (:meth:`mpishard.strategies.Strategy.optimize`); ``stop`` is
-    agreed on over the world after every step; the option groups are
-    :class:`~mpishard.train.Sampling`, :class:`~mpishard.train.Reporting` and
-    :class:`~mpishard.train.Checkpointing`, or their fields given flat
-    (``shuffle=``, ``progress=``, ``checkpoints=``, ``checkpoint_every=``, ...).
-    The rules are on the docs site's training-loop page.
+    ``optimize()``'s
+    ([`mpishard.strategies.Strategy.optimize`][mpishard.strategies.base.Strategy.optimize]);
+    ``stop`` is agreed on over the world after every step; the option groups are
+    [`Sampling`][mpishard.train.Sampling], [`Reporting`][mpishard.train.Reporting] and
+    [`Checkpointing`][mpishard.train.Checkpointing], or their fields given flat (``shuffle=``,
+    ``progress=``, ``checkpoints=``, ``checkpoint_every=``, ...). The rules are on the docs site's
+    training-loop page.
 
     Raises:
         ValueError: on every rank, for data, batch size or epochs that cannot be
