@@ -36,19 +36,21 @@ import atexit
 import faulthandler
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from mpi4py import MPI
 
 __all__ = ["STACK_SIGNAL", "JobRecord", "describe_members", "diagnose", "evict", "job",
-           "forget", "note_abort", "note_after", "note_wait", "process_state", "register",
-           "unnote_wait", "watch", "watch_after"]
+           "forget", "note_abort", "note_after", "note_wait", "process_state",
+           "reading_data_source", "register", "unnote_wait", "watch", "watch_after"]
 
 #: The signal that makes a registered rank write its Python stack. A real-time
 #: signal where there is one: SIGUSR1 is the elastic agent's "checkpoint and stop"
@@ -222,6 +224,29 @@ def unnote_wait() -> None:
             pass
 
 
+_T = TypeVar("_T")
+
+
+def reading_data_source(read: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``read(*args, **kwargs)``: the training loop reads the user's data through
+    it (a dataset's ``gather``, a stream's next batch). Its frame in a rank's
+    stack tells `diagnose` that a rank in no call of the library is in its data
+    source. One Python call, nothing else. Local."""
+    return read(*args, **kwargs)
+
+
+#: A faulthandler stack line of a frame of `reading_data_source`.
+_IN_DATA_SOURCE = re.compile(rf"line \d+ in {reading_data_source.__name__}$", re.MULTILINE)
+
+
+def _outside_library(stack: str) -> str:
+    """What a rank with no wait note is doing, from its stack."""
+    if _IN_DATA_SOURCE.search(stack):
+        return ("is in the user's data source (the training loop is reading its dataset "
+                "or stream: see its stack)")
+    return "is in no call of the library"
+
+
 def process_state(pid: int) -> str | None:
     """The state letter of ``/proc/PID/stat`` (R, S, D, T, Z, ...), None when there is
     no such process (or no ``/proc``)."""
@@ -318,8 +343,7 @@ def diagnose(group: str, world_ranks: list[int]) -> tuple[str, str]:
                 break
             time.sleep(0.02)
         doing = _read(_job.path("wait", rank))
-        what = f"waits in {doing['call']}" if doing else (
-            "is in no call of the library")
+        what = f"waits in {doing['call']}" if doing else _outside_library(stack)
         parts.append(f"{where}: is running (state {state}) but {what}")
         details.append(f"[mpishard] Python stack of world rank {rank} (pid {_pid}):\n"
                        + (stack.strip() or "(no stack came back within "
@@ -348,7 +372,7 @@ def _remote(rank: int, host: str | None, details: list[str]) -> str:
                 "watchdog yet (a stopped or very slow process)")
     details.append(f"[mpishard] Python stack of world rank {rank} on {host}, written by "
                    f"its own watchdog:\n{dump.strip()}\n")
-    return "on another host, in no call of the library: its watchdog wrote its stack"
+    return f"on another host, {_outside_library(dump)[3:]}: its watchdog wrote its stack"
 
 
 #: How `_remote` names the watchdog's delay in its message.
