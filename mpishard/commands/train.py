@@ -182,6 +182,7 @@ def _setup(s: Settings, comm: FlatComm) -> Run:
 def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Run:
     from ..config import ShardingConfiguration
     from ..errors import MpiShardError
+    from ..parallel.overlap import describe_attach
     from ..parallel.repro import unit_rows_for
 
     dtype = np.dtype(s.dtype)
@@ -232,6 +233,7 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
         f"{layout}{where}{repro}; global batch "
         f"{s.batch_size}, {s.epochs} epochs = {steps} steps, "
         f"{s.optimizer} lr {s.lr:g}, cosine schedule",
+        describe_attach(strategy.core),   # rank 0's attach: its time, the overlap decision
     ]
     run = Run(s, config, model, strategy, data, validation, description, closers=closers)
     _checkpoints(run, comm)
