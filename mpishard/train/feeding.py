@@ -155,8 +155,9 @@ def _open_dataset(core: StrategyCore, data: Any, epochs: Any, batch_size: Any,
         try:   # an (inputs, targets) pair; the same check on every rank
             dataset = ArrayDataset(*data)
         except (TypeError, ValueError) as exc:
-            problem = (f"expecting an (inputs, targets) pair of arrays, a Dataset, a "
-                       f"LocalDataset or a BatchStream: {exc}")
+            problem = (f"expecting an (inputs, targets) pair of arrays (or of lists of "
+                       f"numbers, converted once), a Dataset, a LocalDataset or a "
+                       f"BatchStream: {exc}")
     world.agree(problem, ValueError)
     problem, sampler, split = None, None, None
     # Every rank must see the same number of samples (a stream appended to on
