@@ -28,6 +28,8 @@ echo "== import contracts (lint-imports)"
 echo "== ruff check"
 "$venv/bin/ruff" check mpishard tests scripts benchmarks
 echo "== documentation (mkdocs build --strict)"
+# The diagrams of docs/guide/img/ are drawn from the library by scripts/diagrams.py.
+"$py" scripts/diagrams.py --check
 # Into a temporary folder, removed afterwards: the check is that it builds. (Not
 # --quiet: it silences the warnings, and then --strict has none to fail on.)
 site=$(mktemp -d)
