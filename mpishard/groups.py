@@ -1,4 +1,5 @@
-"""Deprecated: ``ProcessGroups`` lives in :mod:`mpishard.comm` (``mpishard.comm.groups``)."""
+"""Deprecated: ``ProcessGroups`` lives in [`mpishard.comm`][mpishard.comm]
+(``mpishard.comm.groups``)."""
 
 from ._deprecated import forward_names
 from .comm import groups as _groups

@@ -1,4 +1,5 @@
-"""Deprecated: ``HDF5Dataset`` lives in :mod:`mpishard.data` (``mpishard.data.hdf5``)."""
+"""Deprecated: ``HDF5Dataset`` lives in [`mpishard.data`][mpishard.data]
+(``mpishard.data.hdf5``)."""
 
 from ._deprecated import forward_names
 from .data import hdf5 as _hdf5

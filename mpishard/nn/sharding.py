@@ -1,5 +1,5 @@
-"""Deprecated: ``ShardedSequential`` is :class:`mpishard.nn.LayerStack` (``mpishard.nn.stack``);
-the tensor-shard records live in :mod:`mpishard.nn.shards`."""
+"""Deprecated: ``ShardedSequential`` is [`mpishard.nn.LayerStack`][mpishard.nn.LayerStack]
+(``mpishard.nn.stack``); the tensor-shard records live in `mpishard.nn.shards`."""
 
 from .._deprecated import forward_names
 from . import shards as _shards
