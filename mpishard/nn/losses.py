@@ -20,7 +20,24 @@ __all__ = [
     "Loss",
     "MSELoss",
     "SoftmaxCrossEntropy",
+    "check_labels",
 ]
+
+
+def check_labels(loss: Any, target: Any, rows: int) -> Any:
+    """``target`` if it is integer class labels of shape ``(rows,)``, as a
+    cross-entropy ``loss`` (named in the error) reads them.
+
+    Raises:
+        TypeError: not integers.
+        ValueError: another shape.
+    """
+    if target.dtype.kind not in "iu":
+        raise TypeError(f"{type(loss).__name__} expects integer class labels, "
+                        f"got dtype {target.dtype}")
+    if target.shape != (rows,):
+        raise ValueError(f"expecting labels of shape ({rows},), got {target.shape}")
+    return target
 
 
 class Loss:
@@ -83,12 +100,7 @@ class SoftmaxCrossEntropy(Loss):
         }
 
     def check_target(self, target: Any, rows: int, features: int) -> Any:
-        if target.dtype.kind not in "iu":
-            raise TypeError(f"SoftmaxCrossEntropy expects integer class labels, "
-                            f"got dtype {target.dtype}")
-        if target.shape != (rows,):
-            raise ValueError(f"expecting labels of shape ({rows},), got {target.shape}")
-        return target
+        return check_labels(self, target, rows)
 
     def loss_and_grad(self, out: Any, target: Any, buf: dict[str, Any]) -> tuple[Any, Any]:
         return softmax_cross_entropy(out, target, buf)
