@@ -55,13 +55,20 @@ _FLOATS = ("<f4", "<f8")
 
 @dataclass(frozen=True)
 class TensorRecord:
-    """One dataset of a checkpoint: ``group`` is ``"params"`` or ``"optimizer/<state>"``."""
+    """One dataset of a checkpoint, a logical tensor: ``group`` (``"params"``,
+    ``"optimizer/<state>"``), ``name``, its logical ``shape`` and ``dtype`` (a
+    numpy dtype string such as ``"<f8"``).
+
+    A writer declares it with ``key``, which orders tensors inside their group
+    (the flat-vector offset); a reader finds it with the file's ``checksum``.
+    """
 
     group: str
     name: str
     shape: tuple[int, ...]
-    dtype: str                 # numpy dtype string, e.g. "<f8"
-    checksum: Checksum
+    dtype: str
+    key: int = 0
+    checksum: Checksum | None = None
 
     @property
     def path(self) -> str:
@@ -195,7 +202,7 @@ def _record(f: Any, group: str, name: str, path: str) -> TensorRecord:
     if a.shape != (2,) or a.dtype != np.uint64:
         raise CheckpointError(f"{path}: attribute 'checksum' of {dpath}: expecting 2 "
                               f"unsigned 64-bit integers, got {a.dtype} of shape {a.shape}")
-    return TensorRecord(group, name, shape, dtype, Checksum.from_array(a))
+    return TensorRecord(group, name, shape, dtype, checksum=Checksum.from_array(a))
 
 
 def read_info(f: Any, path: str) -> CheckpointInfo:

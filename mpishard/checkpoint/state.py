@@ -60,9 +60,18 @@ from .compare import (
     setting_differences,
     strategy_settings,
 )
-from .format import DATA, FORMAT, FORMAT_VERSION, MODEL, OPTIMIZER, PARAMS, CheckpointInfo
+from .format import (
+    DATA,
+    FORMAT,
+    FORMAT_VERSION,
+    MODEL,
+    OPTIMIZER,
+    PARAMS,
+    CheckpointInfo,
+    TensorRecord,
+)
 from .read import ReadRequest, open_checkpoint, read_blocks
-from .write import LogicalTensor, Piece, write_checkpoint_file
+from .write import Piece, write_checkpoint_file
 
 __all__ = ["Placement", "load_checkpoint", "save_checkpoint"]
 
@@ -157,12 +166,12 @@ def _runs(layout: ParamLayout, place: Placement, r: Range):
 
 
 def declared(layout: ParamLayout, place: Placement, group: str,
-             dtype: Any) -> list[LogicalTensor]:
+             dtype: Any) -> list[TensorRecord]:
     """The logical tensors behind ``layout``, in ``group``."""
     d = np.dtype(dtype).newbyteorder("<").str
-    return [LogicalTensor(group, place.shards[s.name].logical_name,
-                          tuple(place.shards[s.name].logical_shape), d,
-                          place.key(i)) for i, s in enumerate(layout)]
+    return [TensorRecord(group, place.shards[s.name].logical_name,
+                         tuple(place.shards[s.name].logical_shape), d,
+                         place.key(i)) for i, s in enumerate(layout)]
 
 
 def vector_pieces(layout: ParamLayout, place: Placement, group: str, host: np.ndarray,
@@ -175,8 +184,8 @@ def vector_pieces(layout: ParamLayout, place: Placement, group: str, host: np.nd
     for spec, shard, part, blocks in _runs(layout, place, r):
         if not place.writes(spec.name):
             continue
-        t = LogicalTensor(group, shard.logical_name, tuple(shard.logical_shape), dtype,
-                          place.key(ordinal[spec.name]))
+        t = TensorRecord(group, shard.logical_name, tuple(shard.logical_shape), dtype,
+                         place.key(ordinal[spec.name]))
         at = part.start - base
         for blk in blocks:
             n = block_size(blk)
