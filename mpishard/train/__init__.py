@@ -2,7 +2,6 @@
 ``optimize()``, ``ElasticOptimizer`` and ``mpishard train``: feeding, reporting and the step loop,
 its option groups, its result, stop requests and evaluation."""
 
-from .._deprecated import forward_names
 from .evaluate import evaluate
 from .loop import run_training
 from .options import Checkpointing, Reporting, Sampling
@@ -25,9 +24,3 @@ __all__ = [
     "peak_rss_bytes",
     "run_training",
 ]
-
-
-# 0.4 exported the elastic optimizer here; it lives in mpishard.strategies now
-# (a layer above, named by its path).
-__getattr__ = forward_names(__name__, {name: ("mpishard.strategies.elastic", name)
-                                       for name in ("ElasticOptimizer", "BATCH_POLICIES")})
