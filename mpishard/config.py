@@ -9,7 +9,7 @@ from typing import Any
 from .comm import Deadlines, FlatComm, ProcessGroups, from_comm, ulfm
 from .comm.abort import install_abort_hook
 from .comm.stuck import register as register_ranks
-from .errors import TopologyError
+from .errors import CommunicationError, TopologyError
 from .topology import Topology
 
 __all__ = ["ShardingConfiguration"]
@@ -154,7 +154,11 @@ class ShardingConfiguration:
         with parent.during(_construction(given, parent.size)):
             peer = self.deadlines.peer
             parent.grace = 0.0 if peer is None else _ARRIVAL_GRACE
-            spread = parent.arrival_spread()
+            try:
+                spread = parent.arrival_spread()
+            except CommunicationError as exc:   # the same error, with what it left
+                exc.args = (f"{exc}; {_left_pending(given, parent.name)}", *exc.args[1:])
+                raise
             if peer is not None and spread > peer:
                 parent.abort(f"the last rank of the {parent.name} group called "
                              f"ShardingConfiguration() {spread:.1f} s after the first, past "
@@ -223,6 +227,20 @@ def _construction(given: bool, size: int) -> str:
     return (f"ShardingConfiguration() over MPI.COMM_WORLD (no comm= given), which every one "
             f"of its {size} ranks must call; where other ranks do other work (a "
             f"simulation), pass comm= the communicator of the ranks that train")
+
+
+def _left_pending(given: bool, name: str) -> str:
+    """What a timed-out arrival leaves on the caller's communicator, and what the
+    program may still do with it (MPI cannot withdraw a collective)."""
+    where = "the communicator passed as comm=" if given else name
+    abort = "comm.Abort()" if given else "MPI.COMM_WORLD.Abort()"
+    return (f"this rank's Iallreduce stays pending on {where} (MPI cannot withdraw a "
+            f"collective). If the ranks that did not arrive call ShardingConfiguration() "
+            f"later, their own ShardingConfiguration() call completes it and fails too, "
+            f"and {where} pairs up again. If they never call it, no rank may call a "
+            f"collective on {where} again (theirs would pair with this one: a hang, or "
+            f"mixed data): use only point-to-point messages on it, then end the job with "
+            f"{abort} (MPI_Finalize with a request pending is not valid MPI)")
 
 
 def _sizes(sizes: Any, unit_rows: int | None) -> tuple[int, ...]:
