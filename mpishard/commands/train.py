@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,7 @@ class Run:
     description: list[str]
     manager: Any = None
     resumed_from: str | None = None
+    resume_notes: list[str] = field(default_factory=list)   # said once, under the header
     closers: list[Callable[[], None]] = field(default_factory=list)
 
 
@@ -357,7 +359,7 @@ def _logical_parameters(config: Any, model: Any) -> int:
 def _checkpoints(run: Run, comm: FlatComm) -> None:
     """The run's checkpoint folder, and the resume from it. Collective over ``comm``."""
     from ..checkpoint import CheckpointManager, list_checkpoints, load_checkpoint
-    from ..errors import CheckpointError
+    from ..errors import CheckpointError, CheckpointWarning
 
     s = run.settings
     explicit = s.checkpoint_dir is not None
@@ -387,8 +389,15 @@ def _checkpoints(run: Run, comm: FlatComm) -> None:
         return
     fix = ("; resume with the settings of the run that wrote it (model sizes, --dtype, "
            "--optimizer, --samples), or start afresh with another --checkpoint-dir")
-    info = _agreed(comm, "--resume", lambda: load_checkpoint(path, run.model, run.strategy),
-                   (CheckpointError, FileNotFoundError, OSError), fix)
+
+    def load() -> Any:
+        # What differs from the file is said under the run's header (_resume_notes),
+        # one line each, not as a warning with its source line.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointWarning)
+            return load_checkpoint(path, run.model, run.strategy)
+
+    info = _agreed(comm, "--resume", load, (CheckpointError, FileNotFoundError, OSError), fix)
     data = info.data or {}
     n = len(run.data) if isinstance(run.data, Dataset) else len(run.data[0])
     if data.get("batch_size", s.batch_size) != s.batch_size:
@@ -399,6 +408,28 @@ def _checkpoints(run: Run, comm: FlatComm) -> None:
         raise UsageError(f"--resume: {path} was written for {data['num_samples']} samples, "
                          f"this run has {n}{fix}")
     run.resumed_from = path
+    run.resume_notes = _resume_notes(run, info)
+
+
+def _resume_notes(run: Run, info: Any) -> list[str]:
+    """What this run takes from its own settings rather than from the checkpoint
+    it resumes, one line each. The learning-rate schedule is the one --epochs
+    plans (a longer run decays over its new length; keeping the file's would
+    train the added steps at its final rate, 0): its line says the jump."""
+    from ..checkpoint.compare import schedule_text
+
+    s, strategy = run.settings, run.strategy
+    mine = strategy.schedule.to_dict()
+    notes = [f"kept from this run, not the checkpoint: "
+             f"{note.replace(' in the strategy', ' in this run')}" for note in info.notes
+             if not note.startswith("schedule")]
+    if info.schedule is not None and info.schedule != mine:
+        before = "?" if info.lr is None else f"{info.lr:.3g}"
+        notes.append(f"learning-rate schedule: this run's --epochs {s.epochs} plans "
+                     f"{schedule_text(mine)}; the checkpoint's was "
+                     f"{schedule_text(info.schedule)}: the learning rate goes from "
+                     f"{before} to {strategy.current_lr():.3g} at step {strategy.step_count}")
+    return notes
 
 
 # --- training and the summary -------------------------------------------------------------
@@ -424,6 +455,8 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
         if run.resumed_from:
             print(f"   resumed from {run.resumed_from} at step {run.strategy.step_count}",
                   flush=True)
+        for note in run.resume_notes:
+            print(f"   {note}", flush=True)
     start_val = evaluate(run.model, *run.validation) if run.validation is not None else None
     progress = s.progress if s.progress is not None else (rank0 and interactive_output())
     topo = run.config.topology
