@@ -309,14 +309,7 @@ def choose_overlap(dp: FlatComm, agree: FlatComm, ranges: list[Range], dtype: An
             record.update(info)
         return False
     buckets, local = _stand_in_buckets(dp, ranges, kind, dtype, xp, slots)
-    a = xp.full((_KERNEL, _KERNEL), 1.0 / _KERNEL, dtype=dtype)
-    out = xp.empty_like(a)
-
-    def compute(count: int) -> None:
-        for _ in range(count):
-            xp.matmul(a, a, out=out)
-        synchronize(xp)
-
+    compute = _Products(xp, dtype)
     # The sizing rounds are cheap (a reduction and 8 products): a quarter of the budget.
     product, reduction = _product_and_reduction(
         dp, agree, buckets, compute, repeats, None if budget is None else budget / 4)
@@ -327,7 +320,7 @@ def choose_overlap(dp: FlatComm, agree: FlatComm, ranges: list[Range], dtype: An
     if budget is None:
         info.update(time_alternatives(agree, ways, repeats))
     else:
-        _time_within(agree, ways, repeats, budget, started, info)
+        _time_within(agree, ways, repeats, budget, started, compute, info)
     timed = info["during"] is not None and info["after"] is not None
     info["choice"] = bool(timed and info["during"] < (1 - margin) * info["after"])
     if record is not None:
@@ -336,7 +329,8 @@ def choose_overlap(dp: FlatComm, agree: FlatComm, ranges: list[Range], dtype: An
 
 
 def _time_within(agree: FlatComm, ways: dict[str, Callable[[], None]], repeats: int,
-                 budget: float, started: float, info: dict[str, Any]) -> None:
+                 budget: float, started: float, compute: _Products,
+                 info: dict[str, Any]) -> None:
     """The ways' times into ``info`` (None where not timed), in what is left of
     ``budget`` seconds since ``started``; a ``"reason"`` where none was timed.
     Collective over ``agree``."""
@@ -345,13 +339,43 @@ def _time_within(agree: FlatComm, ways: dict[str, Callable[[], None]], repeats: 
     # round and one timed round must fit (agreed values: every rank alike).
     round_ = 2 * (info["reduction"] + info["compute"])
     if 2 * round_ <= left:
+        # The estimate is of a product alone: ranks sharing cores (more ranks
+        # than cores on a node) compute slower together. The products stop at
+        # the budget's end, the reductions go on: a round cut so is not timed.
+        compute.deadline = started + budget
         info.update(time_alternatives(agree, ways, repeats, left))
+        if agree.allreduce_scalar(float(compute.cut), op="max"):
+            info.update(during=None, after=None)
+            info["reason"] = (f"the probe's {budget:g} s budget ran out during a round "
+                              f"(estimated ~{_ms(round_)}): its compute was cut")
     for way in ways:
         if info[way] is not None and not math.isfinite(info[way]):
             info[way] = None
-    if info["during"] is None or info["after"] is None:
+    if (info["during"] is None or info["after"] is None) and "reason" not in info:
         info["reason"] = (f"the probe's {budget:g} s budget was spent before a timed "
                           f"round (a round: ~{_ms(round_)})")
+
+
+class _Products:
+    """The stand-in backward's compute: ``compute(count)`` runs ``count`` square
+    matrix products in the parameters' dtype and waits for them; none after
+    ``deadline`` (``time.perf_counter()``; host arrays: a device's products are
+    queued, not run, when it is read), which sets ``cut``. Local."""
+
+    def __init__(self, xp: Any, dtype: Any) -> None:
+        self.xp = xp
+        self.a = xp.full((_KERNEL, _KERNEL), 1.0 / _KERNEL, dtype=dtype)
+        self.out = xp.empty_like(self.a)
+        self.deadline = math.inf
+        self.cut = False
+
+    def __call__(self, count: int) -> None:
+        for _ in range(count):
+            if time.perf_counter() > self.deadline:
+                self.cut = True
+                break
+            self.xp.matmul(self.a, self.a, out=self.out)
+        synchronize(self.xp)
 
 
 def _stand_in_ways(buckets: GradientBuckets, local: list[Range], counts: list[int],

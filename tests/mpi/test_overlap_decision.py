@@ -191,3 +191,35 @@ def test_decide_with_a_data_group_without_buckets(monkeypatch):
     every = world.allgather((choice, record["source"], record["during"], record["after"]))
     assert len(set(every)) == 1, every
     assert record["source"] == "measured"
+
+
+def test_probe_cuts_a_round_that_runs_past_the_budget(monkeypatch):
+    # The estimate of a round is from one rank's products alone; ranks sharing
+    # cores compute slower together (32 ranks on 2 cores: ~250 ms estimated, 9 s
+    # run). Emulated: rank 0's products take 0.15 s each once the timed rounds
+    # start. The products stop at the budget's end: one round, cut, not timed.
+    comm = MPI.COMM_WORLD
+    groups = ShardingConfiguration(comm).groups
+    ranges = bucket_ranges(MLP(SIZES, dtype=np.float64).layout, 20)
+    slowed = []
+
+    class Crowded(overlap._Products):
+        def __call__(self, count):
+            if (comm.rank == 0 and np.isfinite(self.deadline)
+                    and time.perf_counter() <= self.deadline):
+                slowed.append(1)
+                time.sleep(0.15)
+            super().__call__(count)
+
+    monkeypatch.setattr(overlap, "_Products", Crowded)
+    record = {}
+    choice = overlap.choose_overlap(groups.dp, groups.world, ranges, np.float64, np,
+                                    record=record, budget=0.3)
+    every = comm.allgather((choice, record["during"], record["after"], record.get("reason")))
+    assert len(set(every)) == 1, every
+    if comm.size == 1:
+        return
+    assert choice is False and record["during"] is None and record["after"] is None
+    if comm.rank == 0:   # without the cut: 3 buckets x 2 ways x 4 rounds = 24
+        assert 1 <= len(slowed) <= 3, slowed
+    assert "budget" in record["reason"], record["reason"]

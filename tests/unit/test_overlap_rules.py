@@ -8,7 +8,14 @@ import pytest
 from mpishard.comm import NodeMap
 from mpishard.costmodel import Machine, reduction_time
 from mpishard.flat import Range
-from mpishard.parallel.overlap import WORTH_MEASURING, gain_bound, layout_key, modelled_overlap
+from mpishard.parallel.overlap import (
+    RECORD_FILE,
+    WORTH_MEASURING,
+    gain_bound,
+    layout_key,
+    modelled_overlap,
+    record_path,
+)
 
 
 def test_one_bucket_has_nothing_to_overlap():
@@ -55,3 +62,16 @@ def test_layout_key_names_what_the_decision_depends_on():
               layout_key(4, 4, ranges, np.float32, np, "allreduce", 0,
                          NodeMap(node_of=(0, 0, 0, 1), hosts=("a", "b")))]
     assert key not in others and len(set(others)) == len(others)
+
+
+def test_record_path(monkeypatch, tmp_path):
+    for var in ("MPISHARD_OVERLAP_RECORD", "MPISHARD_JOB_DIR", "MPISHARD_ELASTIC"):
+        monkeypatch.delenv(var, raising=False)
+    assert record_path() is None
+    job = tmp_path / "launch-3"
+    monkeypatch.setenv("MPISHARD_JOB_DIR", str(job))
+    assert record_path() is None                     # not under the elastic agent
+    monkeypatch.setenv("MPISHARD_ELASTIC", "1")      # the agent's folder outlives launch-3
+    assert record_path() == str(tmp_path / RECORD_FILE)
+    monkeypatch.setenv("MPISHARD_OVERLAP_RECORD", str(tmp_path / "mine.json"))
+    assert record_path() == str(tmp_path / "mine.json")
