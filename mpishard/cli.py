@@ -22,7 +22,7 @@ def environment_info() -> dict[str, object]:
 
     # Imported here, not at the top: importing mpishard.comm initialises MPI, and
     # only the commands that run as MPI ranks may (``mpishard run`` starts mpirun).
-    from .comm import cuda_aware_reason, mpi_library_info
+    from .comm import cuda_aware_reason, mpi_library_info, reproducibility_info
 
     info: dict[str, object] = {
         "mpishard": __version__,
@@ -54,6 +54,8 @@ def environment_info() -> dict[str, object]:
     aware, why = cuda_aware_reason()
     info["cuda_aware_mpi"] = aware
     info["cuda_aware_reason"] = why
+    # What a reproducible run's bits depend on (docs/guide/reproducible.md).
+    info["reproducibility"] = reproducibility_info()
     return info
 
 
@@ -74,13 +76,17 @@ def _info(args: argparse.Namespace) -> int:
     info["nodes"] = nodes.describe()
     if isinstance(gpus, str):
         info["gpu_map"] = f"none: {gpus}"
-    width = max(len(k) for k in info)
+    section = info.pop("reproducibility")
+    width = max(len(k) for k in [*info, *section])
     for key, value in info.items():
         print(f"{key:<{width}}  {value}")
     if not isinstance(gpus, str):
         print(f"{'gpu_map':<{width}}  --device cuda uses, by rank:")
         for line in gpus:
             print(f"{'':<{width}}    {line}")
+    print("reproducibility (what the bits of reproducible=True depend on):")
+    for key, value in section.items():
+        print(f"  {key:<{width}}  {value}")
     return 0
 
 

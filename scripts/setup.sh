@@ -82,13 +82,14 @@ pipq() { "$py" -m pip install -q --disable-pip-version-check "$@"; }
 # tqdm: the progress bar of `mpishard train`; matplotlib: `mpishard plot` (PNG, Agg backend);
 # numba: the fused CPU kernels of mpishard.kernels (one compiled pass where NumPy makes
 # several; the NumPy twins stay the reference and the fallback). pytest-xdist: tests/jobs
-# runs 3 tests at a time (scripts/test.sh).
-if ! "$py" -c "import mpi4py, numpy, pytest, pytest_mpi, xdist, tqdm, matplotlib, numba" \
+# runs 3 tests at a time (scripts/test.sh). threadpoolctl: `mpishard info` reads from
+# the loaded BLAS the core type and threads a reproducible run's bits depend on.
+if ! "$py" -c "import mpi4py, numpy, pytest, pytest_mpi, xdist, tqdm, matplotlib, numba, threadpoolctl" \
     2>/dev/null; then
-  say "pip install mpi4py numpy pytest pytest-mpi pytest-xdist tqdm matplotlib numba"
+  say "pip install mpi4py numpy pytest pytest-mpi pytest-xdist tqdm matplotlib numba threadpoolctl"
   pipq --upgrade pip setuptools wheel
   pipq "mpi4py>=4.0,<5" "numpy>=1.24" "pytest>=8" "pytest-mpi>=0.6" "pytest-xdist>=3.5" \
-    "tqdm>=4.60" "matplotlib>=3.6" "numba>=0.60"
+    "tqdm>=4.60" "matplotlib>=3.6" "numba>=0.60" "threadpoolctl>=3.1"
 fi
 
 # --- the documentation site (mkdocs build --strict runs in scripts/test.sh) -----
