@@ -51,6 +51,7 @@ from ..flat import ParamLayout, Range, shard_ranges
 from ..nn.shards import tensor_shards
 from ..optim.schedules import schedule_from_dict
 from ..protocols import DescribedModel, HasCore, StrategyCore
+from .background import settle, snapshot, start_background_write
 from .blocks import block_shape, block_size, flat_blocks
 from .checksum import ALGORITHM
 from .collective import agree_error
@@ -289,7 +290,8 @@ def _local(a: Any) -> np.ndarray:
 # --- save ------------------------------------------------------------------------
 
 def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
-                    comm: Any = None, driver: str = "auto", durable: bool = True) -> str:
+                    comm: Any = None, driver: str = "auto", durable: bool = True,
+                    asynchronous: bool = False) -> str:
     """Write the training state to the HDF5 file ``path``, atomically.
 
     With a strategy (``DDPOptimizer``, ``ZeRO2Optimizer``,
@@ -308,7 +310,17 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     ``MPISHARD_CHECKPOINT_DRIVER`` overrides), ``"mpio"`` or ``"serial"``.
     ``durable``: the file and its folder are on disk when this returns (fsync).
 
-    Returns the absolute path written.
+    ``asynchronous``: return once this rank has copied its part of the state
+    (into buffers reused by the next save; pinned host memory for CuPy); the
+    file is written by a thread and appears at ``path``, complete and durable,
+    at the commit: the next save or load,
+    [`wait_for_checkpoint`][mpishard.checkpoint.wait_for_checkpoint], or a step
+    boundary of the training loop
+    ([`mpishard.checkpoint.background`][mpishard.checkpoint.background]). A
+    failed background write is raised there, on every rank. ``driver`` does not
+    apply (rank 0 creates the file, every rank writes its bytes into it).
+
+    Returns the absolute path written (to be written, when asynchronous).
 
     Raises:
         TypeError: ``optimizer`` is not a strategy.
@@ -319,11 +331,21 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     strategy = as_strategy(optimizer)
     place = Placement.of(model, strategy, comm)
     with place.world.during(f"save_checkpoint({os.fspath(path)})"), place.file_io():
-        return _save(path, model, strategy, place, driver, durable)
+        settle()   # a save in flight is committed (or its failure raised) first
+        if asynchronous:
+            copy = snapshot().take
+            tensors, pieces, attrs = _contents(path, model, strategy, place, copy)
+            return start_background_write(path, place.world, tensors, pieces, attrs,
+                                          durable=durable, order_groups=(PARAMS,))
+        tensors, pieces, attrs = _contents(path, model, strategy, place, _local)
+        return write_checkpoint_file(path, place.world, tensors, pieces, attrs, driver=driver,
+                                     durable=durable, order_groups=(PARAMS,))
 
 
-def _save(path: str | os.PathLike, model: Any, strategy: Any, place: Placement, driver: str,
-          durable: bool) -> str:
+def _contents(path: str | os.PathLike, model: Any, strategy: Any, place: Placement,
+              local: Any) -> tuple[list[TensorRecord], list[Piece], dict[str, dict[str, Any]]]:
+    """The datasets, this rank's pieces (its ranges of the vectors through
+    ``local``: a host view or a snapshot's copy) and the attributes of a save."""
     world = place.world
     # The first call of a save is this agreement, under the timeout: a rank that
     # does not come is named here, before any HDF5 collective (which cannot be timed).
@@ -345,7 +367,7 @@ def _save(path: str | os.PathLike, model: Any, strategy: Any, place: Placement, 
     mine = share if held == Range(0, n) else held   # ZeRO-3: the shard is the share
     tensors = declared(layout, place, PARAMS, dtype)
     pieces = vector_pieces(layout, place, PARAMS,
-                           _local(params[mine.start - held.start:mine.stop - held.start]),
+                           local(params[mine.start - held.start:mine.stop - held.start]),
                            mine.start, mine)
     attrs: dict[str, dict[str, Any]] = {PARAMS: {}}
     if strategy is None:
@@ -374,16 +396,15 @@ def _save(path: str | os.PathLike, model: Any, strategy: Any, place: Placement, 
                             "hyperparameters": _json(hyper), "state_names": _json(names)}
         for s in names:
             group = f"{OPTIMIZER}/{s}"
-            local = state[s][mine.start - state_range.start:mine.stop - state_range.start]
+            part = state[s][mine.start - state_range.start:mine.stop - state_range.start]
             tensors += declared(layout, place, group, dtype)
-            pieces += vector_pieces(layout, place, group, _local(local), mine.start, mine)
+            pieces += vector_pieces(layout, place, group, local(part), mine.start, mine)
         if record is not None:
             attrs[DATA] = record
     extra = model_attrs(model)
     if extra is not None:
         attrs[MODEL] = extra
-    return write_checkpoint_file(path, world, tensors, pieces, attrs, driver=driver,
-                                 durable=durable, order_groups=(PARAMS,))
+    return tensors, pieces, attrs
 
 
 # --- load ------------------------------------------------------------------------
@@ -495,6 +516,7 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     strategy = as_strategy(optimizer)
     place = Placement.of(model, strategy, comm)
     with place.world.during(f"load_checkpoint({os.fspath(path)})"), place.file_io():
+        settle()   # a save in flight is committed (or its failure raised) first
         if strategy is not None and strategy.model is not model:
             strategy.attach(model)
         return _load(path, model, strategy, place, strict_architecture)

@@ -364,7 +364,8 @@ def _checkpoints(run: Run, comm: FlatComm) -> None:
     s = run.settings
     explicit = s.checkpoint_dir is not None
     folder = s.checkpoint_dir if explicit else os.path.join(s.run_dir, "checkpoints")
-    run.manager = manager = CheckpointManager(folder, keep=s.keep)
+    run.manager = manager = CheckpointManager(folder, keep=s.keep,
+                                              async_=s.async_checkpoints)
     path = None
     if s.resume is True:
         path = comm.bcast(manager.latest() if comm.rank == 0 else None, root=0)

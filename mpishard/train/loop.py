@@ -130,14 +130,24 @@ class _Saver:
         self.saved_at = core.step_count   # a resumed run has its starting point on disk
 
     def save(self, reason: str) -> str | None:
-        """A checkpoint at the current step, unless there is one or no manager."""
-        if self.manager is None or self.saved_at == self.core.step_count:
+        """A checkpoint at the current step, unless there is one or no manager;
+        but for an ``"interval"`` save, an asynchronous one is on disk on return."""
+        if self.manager is None:
             return None
-        path = self.manager.save(self.model, self.core)
-        self.saved_at = self.core.step_count
-        self.result.checkpoint = path
-        self.report.checkpoint(self.saved_at, path, reason)
+        path = None
+        if self.saved_at != self.core.step_count:
+            path = self.manager.save(self.model, self.core)
+            self.saved_at = self.core.step_count
+            self.result.checkpoint = path
+            self.report.checkpoint(self.saved_at, path, reason)
+        if reason != "interval":
+            self.manager.wait()
         return path
+
+    def poll(self) -> None:
+        """At a step boundary: commit an asynchronous save whose writes are done."""
+        if self.manager is not None and self.manager.async_:
+            self.manager.poll()
 
 
 class _Steps:
@@ -187,6 +197,7 @@ class _Steps:
         wants_stop = self.callback is not None and bool(self.callback(step, loss))
         if self.every and step % self.every == 0:
             self.saver.save("interval")
+        self.saver.poll()
         if self.stop is not None:
             result.stopped = self.stop.agree(core.config.world,
                                              "callback" if wants_stop else None)
