@@ -9,6 +9,8 @@
 #   PYTHON            interpreter to make the virtual environment with (default python3)
 #   MPISHARD_VENV     where the virtual environment lives (default .venv in the repo)
 #   MPISHARD_SLURM=1  also install Slurm and munge (for the Slurm tests)
+#   MPISHARD_H5PY=later  leave out the MPI build of h5py (a later run makes it:
+#                     scripts/test.sh builds it on one core while the linters run)
 #
 # `bash scripts/setup.sh --ft` makes (or checks) the fault-tolerant runtime instead:
 # a second environment, ${MPISHARD_FT_VENV:-.venv-ft}, with Open MPI 5 from the
@@ -110,7 +112,8 @@ if ! "$py" -c "import importlinter, sys; sys.exit(0 if importlinter.__version__.
 fi
 
 # --- h5py built against the MPI-enabled HDF5 ------------------------------
-if ! "$py" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; then
+if [ "${MPISHARD_H5PY:-}" != later ] \
+   && ! "$py" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; then
   hdf5_version=$(pkg-config --modversion hdf5-openmpi)
   wheels="$cache/wheels/hdf5-openmpi-$hdf5_version"
   mkdir -p "$wheels"
