@@ -42,7 +42,7 @@ def default_threads() -> int | None:
 
 
 def limit_threads() -> None:
-    """Set the thread variables to :func:`default_threads` unless the user set any."""
+    """Set the thread variables to `default_threads` unless the user set any."""
     if (any(var in os.environ for var in THREAD_VARIABLES)
             or os.environ.get("MPISHARD_THREADS") == "keep"):
         return

@@ -1,5 +1,5 @@
-"""The ``mpishard`` command: ``info``, ``train``, ``plot``, ``plan``, ``ckpt inspect`` and
-``ckpt verify``."""
+"""The ``mpishard`` command: ``info``, ``train``, ``ckpt inspect`` and ``ckpt verify``,
+``plot``, ``plan`` and ``run``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def environment_info() -> dict[str, object]:
 
     # Imported here, not at the top: importing mpishard.comm initialises MPI, and
     # only the commands that run as MPI ranks may (``mpishard run`` starts mpirun).
-    from .comm import cuda_aware_reason, mpi_library_info
+    from .comm import cuda_aware_reason, mpi_library_info, reproducibility_info
 
     info: dict[str, object] = {
         "mpishard": __version__,
@@ -54,6 +54,8 @@ def environment_info() -> dict[str, object]:
     aware, why = cuda_aware_reason()
     info["cuda_aware_mpi"] = aware
     info["cuda_aware_reason"] = why
+    # What a reproducible run's bits depend on (docs/guide/reproducible.md).
+    info["reproducibility"] = reproducibility_info()
     return info
 
 
@@ -74,21 +76,25 @@ def _info(args: argparse.Namespace) -> int:
     info["nodes"] = nodes.describe()
     if isinstance(gpus, str):
         info["gpu_map"] = f"none: {gpus}"
-    width = max(len(k) for k in info)
+    section = info.pop("reproducibility")
+    width = max(len(k) for k in [*info, *section])
     for key, value in info.items():
         print(f"{key:<{width}}  {value}")
     if not isinstance(gpus, str):
         print(f"{'gpu_map':<{width}}  --device cuda uses, by rank:")
         for line in gpus:
             print(f"{'':<{width}}    {line}")
+    print("reproducibility (what the bits of reproducible=True depend on):")
+    for key, value in section.items():
+        print(f"  {key:<{width}}  {value}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .commands import add_plot_parser, add_train_parser
 
-    parser = argparse.ArgumentParser(prog="mpishard", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="mpishard")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info = sub.add_parser("info", help="print the MPI, HDF5 and GPU environment")
     info.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     info.set_defaults(func=_info)
@@ -101,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .launch.command import add_run_parser
 
     add_run_parser(sub)
+    # Plain text (argparse prints it as it is), naming every subcommand added above.
+    parser.description = (f"The mpishard command: {', '.join(sub.choices)}. "
+                          f"mpishard COMMAND --help says more of each.")
     return parser
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from .comm import Deadlines, FlatComm, ProcessGroups, from_comm, ulfm
 from .comm.abort import install_abort_hook
 from .comm.stuck import register as register_ranks
-from .errors import TopologyError
+from .errors import CommunicationError, TopologyError
 from .topology import Topology
 
 __all__ = ["ShardingConfiguration"]
@@ -35,8 +35,8 @@ class ShardingConfiguration:
 
     Messages name a process by its rank in ``MPI.COMM_WORLD`` ("world rank 3"),
     with its rank in a group of the library beside it; the library's top group
-    (the ranks of ``comm``, :attr:`world`) is the ``training`` group, ``comm``
-    itself before it is duplicated the ``MPI.COMM_WORLD`` group or the
+    (the ranks of ``comm``, [`world`][mpishard.config.ShardingConfiguration.world]) is the
+    ``training`` group, ``comm`` itself before it is duplicated the ``MPI.COMM_WORLD`` group or the
     ``caller's`` group.
 
     Args:
@@ -49,7 +49,7 @@ class ShardingConfiguration:
             wait in a collective forever. ``MPI_Abort`` ends every process of
             the job, ranks outside ``comm`` (a simulation) included. With False
             the library never aborts: an exception is the caller's, and a call
-            past ``timeout`` raises :class:`~mpishard.errors.CommunicationError`
+            past ``timeout`` raises [`CommunicationError`][mpishard.errors.CommunicationError]
             on the ranks that waited (the groups are unusable after it).
         timeout: seconds a call of the library may wait for the other ranks of
             a group before the job is aborted (or, with
@@ -58,17 +58,17 @@ class ShardingConfiguration:
             rank in the group) and the deadline; the constructor's own
             collectives included (``None``: wait forever). Also the deadline of
             the other kinds of wait, unless they are given.
-        data_timeout: seconds a :class:`~mpishard.data.BatchStream` step may wait
+        data_timeout: seconds a [`BatchStream`][mpishard.data.BatchStream] step may wait
             for the slowest rank's next batch (its simulation); ``None``: forever;
-            default: ``timeout``. See :mod:`mpishard.comm.deadlines`.
+            default: ``timeout``. See [`mpishard.comm.deadlines`][mpishard.comm.deadlines].
         io_timeout: seconds a wait for file I/O may last: the calls of a
             checkpoint save or load (the other ranks waiting while rank 0
             ``fsync``-s), HDF5's collective open and close (checkpoints,
-            :class:`~mpishard.data.HDF5Dataset`); ``None``: forever; default:
+            [`HDF5Dataset`][mpishard.data.HDF5Dataset]); ``None``: forever; default:
             ``timeout``.
         allow_tensor_across_nodes: accept, with a warning, a layout whose
             tensor-parallel groups cannot all stay inside one node (refused by
-            default; see :class:`~mpishard.comm.ProcessGroups`).
+            default; see [`ProcessGroups`][mpishard.comm.ProcessGroups]).
         reproducible: train bit for bit the same at any data-parallel size, with
             DDP, ZeRO-2 or ZeRO-3, pipelined or not, across a resize or a resharded
             restart (see [Reproducible mode](../guide/reproducible.md)). Default off: the
@@ -91,12 +91,12 @@ class ShardingConfiguration:
             started with ``mpirun --with-ft ulfm``, the groups return errors
             (``mpi4py.MPI.Exception``) when a rank dies instead of ending the job,
             so the survivors can go on in place
-            (:func:`mpishard.recovery.recover_in_place`); ``"ulfm"``:
-            the same, and an error where ULFM is not available; ``"off"``.
+            ([`mpishard.recovery.recover_in_place`][mpishard.recovery.recover_in_place]);
+            ``"ulfm"``: the same, and an error where ULFM is not available; ``"off"``.
         evict_stuck: with ULFM on, a call past ``timeout`` SIGKILLs the ranks of
             its group on this host that did not arrive (stopped, looping,
             deadlocked) instead of aborting, and the survivors recover as from a
-            death (:func:`mpishard.comm.ulfm.enable`).
+            death ([`mpishard.comm.ulfm.enable`][mpishard.comm.ulfm.enable]).
 
     Raises:
         TopologyError: sizes that do not divide the communicator's size, or a
@@ -154,7 +154,11 @@ class ShardingConfiguration:
         with parent.during(_construction(given, parent.size)):
             peer = self.deadlines.peer
             parent.grace = 0.0 if peer is None else _ARRIVAL_GRACE
-            spread = parent.arrival_spread()
+            try:
+                spread = parent.arrival_spread()
+            except CommunicationError as exc:   # the same error, with what it left
+                exc.args = (f"{exc}; {_left_pending(given, parent.name)}", *exc.args[1:])
+                raise
             if peer is not None and spread > peer:
                 parent.abort(f"the last rank of the {parent.name} group called "
                              f"ShardingConfiguration() {spread:.1f} s after the first, past "
@@ -191,7 +195,7 @@ class ShardingConfiguration:
     @property
     def groups(self) -> ProcessGroups:
         """The process groups (``world``, ``dp``, ``tp``, ``pp``), one
-        :class:`~mpishard.comm.FlatComm` each."""
+        [`FlatComm`][mpishard.comm.FlatComm] each."""
         if self._groups is None:
             raise RuntimeError("this ShardingConfiguration was freed")
         return self._groups
@@ -223,6 +227,20 @@ def _construction(given: bool, size: int) -> str:
     return (f"ShardingConfiguration() over MPI.COMM_WORLD (no comm= given), which every one "
             f"of its {size} ranks must call; where other ranks do other work (a "
             f"simulation), pass comm= the communicator of the ranks that train")
+
+
+def _left_pending(given: bool, name: str) -> str:
+    """What a timed-out arrival leaves on the caller's communicator, and what the
+    program may still do with it (MPI cannot withdraw a collective)."""
+    where = "the communicator passed as comm=" if given else name
+    abort = "comm.Abort()" if given else "MPI.COMM_WORLD.Abort()"
+    return (f"this rank's Iallreduce stays pending on {where} (MPI cannot withdraw a "
+            f"collective). If the ranks that did not arrive call ShardingConfiguration() "
+            f"later, their own ShardingConfiguration() call completes it and fails too, "
+            f"and {where} pairs up again. If they never call it, no rank may call a "
+            f"collective on {where} again (theirs would pair with this one: a hang, or "
+            f"mixed data): use only point-to-point messages on it, then end the job with "
+            f"{abort} (MPI_Finalize with a request pending is not valid MPI)")
 
 
 def _sizes(sizes: Any, unit_rows: int | None) -> tuple[int, ...]:

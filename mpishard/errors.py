@@ -29,7 +29,8 @@ class TopologyError(MpiShardError, ValueError):
 
 
 class CheckpointError(MpiShardError):
-    """A checkpoint that is missing, truncated, corrupt, foreign or incompatible."""
+    """A checkpoint that is truncated, corrupt, foreign or incompatible (a missing
+    file raises ``FileNotFoundError``)."""
 
 
 class CommunicationError(MpiShardError, RuntimeError):
@@ -66,7 +67,7 @@ class HandOver(MpiShardError):
 
     Raised on every survivor, with the same message; the training loop catches
     it, has ``speaker`` say the message once, and ends the process with
-    ``exit_code`` (see :mod:`mpishard.recovery.handover`).
+    ``exit_code`` (see [`mpishard.recovery.handover`][mpishard.recovery.handover]).
 
     Attributes:
         exit_code: what the process ends with: 75 (``EXIT_STOPPED``: relaunch me

@@ -3,11 +3,11 @@
 Every range of the flat vector is named once here:
 
 * a tensor's **world range** (``layout.range(name)``): where a parameter lives;
-* a **bucket** (:func:`bucket_ranges`): a run of whole tensors that is reduced
-  as one message; buckets are listed in backward order (the highest offsets
+* a **bucket** ([`bucket_ranges`][mpishard.flat.bucket_ranges]): a run of whole tensors that is
+  reduced as one message; buckets are listed in backward order (the highest offsets
   first), because gradients become ready last layer first;
-* a **shard** (:func:`shard_ranges`): the contiguous piece of the flat vector a
-  ZeRO rank owns. Shards do not respect tensor boundaries.
+* a **shard** ([`shard_ranges`][mpishard.flat.shard_ranges]): the contiguous piece of the flat
+  vector a ZeRO rank owns. Shards do not respect tensor boundaries.
 
 Pure arithmetic: nothing here imports MPI.
 """
@@ -180,8 +180,8 @@ def unit_ranges(layout: ParamLayout) -> list[Range]:
 def bucket_ranges(layout: ParamLayout, bucket_elements: int) -> list[Range]:
     """Cut the flat vector into buckets of whole units, in backward order.
 
-    Walking the units (:func:`unit_ranges`) from the last to the first, the order
-    their gradients become ready, units join the current bucket until it would
+    Walking the units ([`unit_ranges`][mpishard.flat.unit_ranges]) from the last to the first, the
+    order their gradients become ready, units join the current bucket until it would
     exceed ``bucket_elements``; a unit larger than that gets a bucket of its own.
 
     Returns the buckets' world ranges, the one with the highest offsets first.

@@ -4,7 +4,7 @@ The idea is ReproBLAS's (Demmel and Nguyen), done with integers. Every value is
 cut into *slices* at absolutely aligned bins of ``W`` bits: the slice of ``x``
 at bin ``j`` is ``trunc(x / 2**(j*W)) - 2**W * trunc(x / 2**((j+1)*W))``, an
 integer of magnitude below ``2**W`` (times ``2**(j*W)``). It depends only on
-``x`` and ``j``. A vector is accumulated in chunks of :data:`CHUNK` elements;
+``x`` and ``j``. A vector is accumulated in chunks of `CHUNK` elements;
 each chunk keeps ``K`` words per element, the sums of its values' slices at bins
 ``b, b-1, ..., b-K+1``, where ``b`` is the bin of the largest magnitude
 deposited so far in that chunk. The words are float64 holding integers: while
@@ -14,8 +14,9 @@ MPI reduction tree give the same bits. When a chunk's top bin rises by ``d``,
 its words move down by ``d`` and the lowest ``d`` are dropped; since bins are
 absolute, the words kept always hold the exact sum of every deposited value's
 slices in the kept bins, whatever the order of the deposits. Across ranks:
-``Allreduce(MAX)`` of the (small) per-chunk bins, :meth:`BinnedAccumulator.realign`
-to them, then a ``SUM`` reduction (or reduce-scatter) of the words.
+``Allreduce(MAX)`` of the (small) per-chunk bins,
+[`BinnedAccumulator.realign`][mpishard.reprosum.BinnedAccumulator.realign] to them, then a ``SUM``
+reduction (or reduce-scatter) of the words.
 
 Error bound against the exact sum ``S`` of ``N`` deposits of one element (chunk
 top bin ``b``, ``e`` the frexp exponent of the chunk's largest deposited
@@ -30,12 +31,12 @@ With ``W = 38`` the last term is ``N * M * 2**-37`` for float32 (``K = 2``) and
 ``N * M * 2**-75`` for float64 (``K = 3``): per deposit, below float32 rounding
 for an element as small as ``2**-12`` of its chunk's largest. Headroom:
 ``2**(53-W) = 2**15`` deposits per element over all ranks (32768 units of work
-in one step; :class:`BinnedAccumulator` refuses more). ``tests/unit/test_reprosum.py``
-checks the bound against ``math.fsum``. Chunks restart at every segment (a
-model's tensor), so a tensor's bits do not depend on where it sits in the vector.
+in one step; [`BinnedAccumulator`][mpishard.reprosum.BinnedAccumulator] refuses more).
+``tests/unit/test_reprosum.py`` checks the bound against ``math.fsum``. Chunks restart at every
+segment (a model's tensor), so a tensor's bits do not depend on where it sits in the vector.
 
-Pure: no MPI here; the callers reduce :attr:`BinnedAccumulator.bins` (MAX) and
-:attr:`BinnedAccumulator.words` (SUM) over their group. NumPy or CuPy via ``xp``.
+Pure: no MPI here; the callers reduce `BinnedAccumulator.bins` (MAX) and
+`BinnedAccumulator.words` (SUM) over their group. NumPy or CuPy via ``xp``.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ EMPTY_BIN = -(1 << 20)
 #: vectors measured here, the passes staying in the cache, and 16 bytes per
 #: element less memory).
 BLOCK_ELEMENTS = 32768
-#: Bits and words of :func:`fixed_bin_sum` (a sum of up to 2**33 values, such as
+#: Bits and words of `fixed_bin_sum` (a sum of up to 2**33 values, such as
 #: a gradient's squares: 40 bits kept below the largest).
 NORM_WORD_BITS = 20
 NORM_WORDS = 3
@@ -233,8 +234,8 @@ class ChunkGrid:
 
 class ScalarSum:
     """The binned sum of float64 scalars (a loss): the arithmetic of a
-    :class:`BinnedAccumulator` of one element, in Python floats (no array passes:
-    a deposit costs microseconds). ``bin`` and ``words`` are its chunk's.
+    [`BinnedAccumulator`][mpishard.reprosum.BinnedAccumulator] of one element, in Python floats (no
+    array passes: a deposit costs microseconds). ``bin`` and ``words`` are its chunk's.
     """
 
     def __init__(self, word_bits: int = WORD_BITS) -> None:
@@ -291,9 +292,10 @@ class BinnedAccumulator:
         words: float64 array ``(K, chunks, chunk)``: the integer slice sums,
             top bin first; reduce with SUM over the group.
         bins: int64 array ``(chunks,)``: each chunk's top bin; reduce with MAX
-            over the group and :meth:`realign` before reducing the words.
+            over the group and [`realign`][mpishard.reprosum.BinnedAccumulator.realign] before
+            reducing the words.
         padded_size: elements of the padded vector part (``main_chunks * chunk``).
-        deposits: vectors deposited since :meth:`clear`.
+        deposits: vectors deposited since [`clear`][mpishard.reprosum.BinnedAccumulator.clear].
     """
 
     def __init__(self, size: int, dtype: Any, xp: Any = np, *, extras: int = 0,

@@ -113,6 +113,10 @@ def worker() -> None:
             config.free()
         if world.rank == 0:
             print("ROW " + json.dumps(row), flush=True)
+    if world.rank == 0:   # what the bits depend on (docs/guide/reproducible.md)
+        from mpishard.comm import reproducibility_line
+
+        print("ENV " + reproducibility_line(), flush=True)
 
 
 def label(row: dict) -> str:
@@ -147,6 +151,8 @@ def main() -> None:
             sys.exit(f"{' '.join(cmd)} printed {len(got)} rows for {len(layouts(n))} "
                      f"layouts:\n{out.stdout}")
         rows += got
+        said = [line[line.index("ENV ") + 4:] for line in out.stdout.splitlines()
+                if "ENV BLAS" in line]
     mlp = [r for r in rows if r["family"] == "mlp"]
     gpt = [r for r in rows if r["family"] == "gpt"]
     print("| layout | mlp-float32 | mlp-float64 |")
@@ -164,6 +170,7 @@ def main() -> None:
     same = all(len(v) <= 1 for v in distinct.values())
     print()
     print(f"{len(rows)} layouts; every column (parameters and losses) identical: {same}")
+    print(f"rank 0 of the last job: {said[0] if said else 'no reproducibility line'}")
     sys.exit(0 if same else 1)
 
 

@@ -9,6 +9,8 @@
 #   PYTHON            interpreter to make the virtual environment with (default python3)
 #   MPISHARD_VENV     where the virtual environment lives (default .venv in the repo)
 #   MPISHARD_SLURM=1  also install Slurm and munge (for the Slurm tests)
+#   MPISHARD_H5PY=later  leave out the MPI build of h5py (a later run makes it:
+#                     scripts/test.sh builds it on one core while the linters run)
 #
 # `bash scripts/setup.sh --ft` makes (or checks) the fault-tolerant runtime instead:
 # a second environment, ${MPISHARD_FT_VENV:-.venv-ft}, with Open MPI 5 from the
@@ -82,13 +84,14 @@ pipq() { "$py" -m pip install -q --disable-pip-version-check "$@"; }
 # tqdm: the progress bar of `mpishard train`; matplotlib: `mpishard plot` (PNG, Agg backend);
 # numba: the fused CPU kernels of mpishard.kernels (one compiled pass where NumPy makes
 # several; the NumPy twins stay the reference and the fallback). pytest-xdist: tests/jobs
-# runs 3 tests at a time (scripts/test.sh).
-if ! "$py" -c "import mpi4py, numpy, pytest, pytest_mpi, xdist, tqdm, matplotlib, numba" \
+# runs 3 tests at a time (scripts/test.sh). threadpoolctl: `mpishard info` reads from
+# the loaded BLAS the core type and threads a reproducible run's bits depend on.
+if ! "$py" -c "import mpi4py, numpy, pytest, pytest_mpi, xdist, tqdm, matplotlib, numba, threadpoolctl" \
     2>/dev/null; then
-  say "pip install mpi4py numpy pytest pytest-mpi pytest-xdist tqdm matplotlib numba"
+  say "pip install mpi4py numpy pytest pytest-mpi pytest-xdist tqdm matplotlib numba threadpoolctl"
   pipq --upgrade pip setuptools wheel
   pipq "mpi4py>=4.0,<5" "numpy>=1.24" "pytest>=8" "pytest-mpi>=0.6" "pytest-xdist>=3.5" \
-    "tqdm>=4.60" "matplotlib>=3.6" "numba>=0.60"
+    "tqdm>=4.60" "matplotlib>=3.6" "numba>=0.60" "threadpoolctl>=3.1"
 fi
 
 # --- the documentation site (mkdocs build --strict runs in scripts/test.sh) -----
@@ -109,7 +112,8 @@ if ! "$py" -c "import importlinter, sys; sys.exit(0 if importlinter.__version__.
 fi
 
 # --- h5py built against the MPI-enabled HDF5 ------------------------------
-if ! "$py" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; then
+if [ "${MPISHARD_H5PY:-}" != later ] \
+   && ! "$py" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" 2>/dev/null; then
   hdf5_version=$(pkg-config --modversion hdf5-openmpi)
   wheels="$cache/wheels/hdf5-openmpi-$hdf5_version"
   mkdir -p "$wheels"

@@ -1,8 +1,9 @@
 """Parallel HDF5 checkpoints that reshard on load.
 
 Model files (``save_model``, ``load_model``, ``model_from_bytes``) moved to
-:mod:`mpishard.models`, the layer above this one."""
+[`mpishard.models`][mpishard.models], the layer above this one."""
 
+from .background import wait_for_checkpoint
 from .files import CheckpointManager, checkpoint_name, latest_checkpoint, list_checkpoints
 from .format import FORMAT, FORMAT_VERSION, CheckpointInfo, TensorRecord
 from .state import load_checkpoint, save_checkpoint
@@ -21,4 +22,5 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
     "verify_checkpoint",
+    "wait_for_checkpoint",
 ]

@@ -3,7 +3,7 @@
 A checkpoint stores every tensor at its logical (unsharded) shape, but ranks
 hold pieces of the flat vector: a ZeRO shard is a range ``[start, stop)`` of a
 tensor's elements in C order, which is not a rectangular hyperslab. It is a
-union of at most ``2 * ndim - 1`` of them (:func:`flat_blocks`), and each of
+union of at most ``2 * ndim - 1`` of them (`flat_blocks`), and each of
 those is also a contiguous run of the tensor's C order, so it is written with
 one contiguous I/O request and checksummed as one run.
 

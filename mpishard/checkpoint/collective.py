@@ -25,16 +25,15 @@ def agree_error(comm: FlatComm | None, error: BaseException | None) -> None:
 
     Every rank passes its own finding (``None`` when all is well). The message is
     the failing rank's, unchanged (messages name the file; a rank-local failure
-    says its rank itself); its type is kept for :class:`CheckpointError`,
-    ``FileNotFoundError``, ``ValueError`` and ``TypeError`` and becomes
-    :class:`CheckpointError` otherwise, on every rank alike. ``None``: this
-    process alone. Collective over ``comm``, under its timeout.
+    says its rank itself); its type is kept for
+    [`CheckpointError`][mpishard.errors.CheckpointError], ``FileNotFoundError``, ``ValueError`` and
+    ``TypeError`` and becomes [`CheckpointError`][mpishard.errors.CheckpointError] otherwise, on
+    every rank alike. ``None``: this process alone. Collective over ``comm``, under its timeout.
 
-    (The agreement is :meth:`FlatComm.first_finding
-    <mpishard.comm.FlatComm.first_finding>`, as under :meth:`FlatComm.agree
-    <mpishard.comm.FlatComm.agree>`, which raises one type and prefixes the rank;
-    the checkpoint's callers catch ``FileNotFoundError`` and its messages already
-    name the file and the rank where that matters.)
+    (The agreement is [`FlatComm.first_finding`][mpishard.comm.FlatComm.first_finding], as under
+    [`FlatComm.agree`][mpishard.comm.FlatComm.agree], which raises one type and prefixes the rank;
+    the checkpoint's callers catch ``FileNotFoundError`` and its messages already name the file and
+    the rank where that matters.)
     """
     if comm is None or comm.size == 1:
         if error is not None:
@@ -61,7 +60,7 @@ def resolve_driver(driver: str, size: int, rank: int = 0) -> str:
     """``"mpio"`` (parallel HDF5) or ``"serial"`` (ranks send to rank 0, which writes).
 
     ``driver`` is ``"auto"``, ``"mpio"`` or ``"serial"``; with ``"auto"`` the
-    environment variable :data:`DRIVER_ENV` decides if set, else h5py's build.
+    environment variable `DRIVER_ENV` decides if set, else h5py's build.
     One process always writes alone (``"serial"``: no MPI-IO needed). Falling back
     because h5py lacks MPI, or being forced to, prints one line on stderr once.
 

@@ -5,8 +5,8 @@ layers' ``config()``) and the training settings of the strategy (learning-rate
 schedule, clipping, accumulation, optimizer hyperparameters). Tensor names and
 shapes alone let a model of another architecture load a file without a word (a
 ``gelu`` MLP into a ``relu`` one, a GPT with 2 heads into one with 4):
-:func:`architecture_differences` lists what differs, and loading refuses it
-unless asked not to. Settings are the caller's to choose: :func:`setting_differences`
+`architecture_differences` lists what differs, and loading refuses it
+unless asked not to. Settings are the caller's to choose: `setting_differences`
 lists those that differ, and loading warns about them.
 """
 

@@ -20,7 +20,7 @@ B-trees, heaps, attributes, free space. A reader checks the size and the digest
 *before* HDF5 parses anything, so a truncated file or a flipped byte in HDF5's
 own structures is a clean error instead of a crash inside libhdf5. Raw data is
 left out because it is large and already covered, dataset by dataset, by the
-positional checksums (:mod:`~mpishard.checkpoint.checksum`) that are verified
+positional checksums (`mpishard.checkpoint.checksum`) that are verified
 as it is read; sealing a 1 GiB checkpoint therefore reads a few kilobytes.
 
 Pure: files and bytes only, no MPI, no h5py.
@@ -130,7 +130,7 @@ def seal_file(path: str | os.PathLike, userblock_size: int, extents: Iterable[tu
 
 
 def seal_image(image: bytearray, userblock_size: int, extents: Iterable[tuple[int, int]]) -> None:
-    """:func:`seal_file` for an HDF5 file image held in memory (modified in place)."""
+    """`seal_file` for an HDF5 file image held in memory (modified in place)."""
     ext = _normalise(extents)
     size = len(image)
     view = memoryview(image)
@@ -213,6 +213,6 @@ def verify_file(path: str | os.PathLike) -> int:
 
 
 def verify_image(image: bytes | bytearray | memoryview, name: str = "<bytes>") -> int:
-    """:func:`verify_file` for an image in memory; ``name`` is used in messages."""
+    """`verify_file` for an image in memory; ``name`` is used in messages."""
     view = memoryview(image).cast("B")
     return _verify(name, len(view), lambda at, n: bytes(view[at:at + n]))

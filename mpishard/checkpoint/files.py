@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from ..errors import CheckpointError
+from .background import after_commit, poll_checkpoint, settle, wait_for_checkpoint
 from .collective import agree_error
 from .container import verify_file
 from .format import CheckpointInfo
@@ -74,12 +75,18 @@ class CheckpointManager:
         manager.save(model, zero2)                   # collective
 
     Every method that takes a model is collective over the whole job (or
-    ``comm`` without a strategy), like :func:`~mpishard.checkpoint.save_checkpoint`;
+    ``comm`` without a strategy), like [`save_checkpoint`][mpishard.checkpoint.save_checkpoint];
     rank 0 creates the folder, scans it and prunes it.
+
+    ``async_=True``: `save` returns after the snapshot and the file is written in
+    the background ([`mpishard.checkpoint.background`][mpishard.checkpoint.background]);
+    it appears, and older ones are pruned, only at the commit: the next `save`,
+    `poll` once every rank's write is done (the training loop calls it after
+    each step), `wait`, or the end of ``optimize()``.
     """
 
     def __init__(self, folder: str | os.PathLike, keep: int | None = 3, prefix: str = "ckpt",
-                 *, driver: str = "auto", durable: bool = True) -> None:
+                 *, driver: str = "auto", durable: bool = True, async_: bool = False) -> None:
         if keep is not None and (not isinstance(keep, numbers.Integral)
                                  or isinstance(keep, bool) or keep < 1):
             raise ValueError(f"keep must be a positive integer or None, got {keep!r}")
@@ -90,6 +97,7 @@ class CheckpointManager:
         self.prefix = prefix
         self.driver = driver
         self.durable = durable
+        self.async_ = bool(async_)
 
     def path(self, step: int) -> str:
         return os.path.join(self.folder, checkpoint_name(self.prefix, step))
@@ -106,11 +114,12 @@ class CheckpointManager:
         parameters only) as ``<prefix>-<step>.h5``, at ``step`` (the strategy's
         ``step_count`` by default), then delete all but the last ``keep``
         checkpoints and any interrupted temporaries. Collective as
-        :func:`~mpishard.checkpoint.save_checkpoint`. Returns the path written."""
+        [`save_checkpoint`][mpishard.checkpoint.save_checkpoint]. Returns the path written."""
         comm = Placement.of(model, as_strategy(optimizer), comm).world
         if step is None:
             step = optimizer.step_count if optimizer is not None else 0
         with comm.during(f"CheckpointManager.save of {self.path(step)}"), comm.deadline("io"):
+            settle()   # the save in flight first: durable, then pruned (its hook)
             error = None
             if comm.rank == 0:
                 try:
@@ -120,20 +129,43 @@ class CheckpointManager:
                     error = CheckpointError(f"{self.folder}: cannot create the folder: {exc}")
             agree_error(comm, error)
             path = save_checkpoint(self.path(step), model, optimizer, comm=comm,
-                                   driver=self.driver, durable=self.durable)
-            if comm.rank == 0:
-                self._prune()
-            comm.barrier()   # nobody scans the folder while rank 0 is pruning it
+                                   driver=self.driver, durable=self.durable,
+                                   asynchronous=self.async_)
+            if self.async_:
+                after_commit(lambda: self._pruned(comm))
+            else:
+                self._pruned(comm)
         return path
+
+    def poll(self) -> str | None:
+        """Commit the save in flight if every rank has written its part, else
+        nothing (then prune). Collective over the job (a small ``Allreduce`` while
+        a save is in flight). Returns the path committed, or None."""
+        return poll_checkpoint()
+
+    def wait(self) -> str | None:
+        """Wait for the save in flight and commit it (then prune). Collective over
+        the job. Returns the path committed, or None when none was in flight.
+
+        Raises:
+            CheckpointError: the save failed on some rank (on every rank).
+        """
+        return wait_for_checkpoint()
+
+    def _pruned(self, comm: Any) -> None:
+        if comm.rank == 0:
+            self._prune()
+        comm.barrier()   # nobody scans the folder while rank 0 is pruning it
 
     def load_latest(self, model: Any, optimizer: Any = None, *, comm: Any = None,
                     strict_architecture: bool = True) -> CheckpointInfo | None:
         """Load the latest checkpoint, if there is one (rank 0 scans, all agree),
-        as :func:`~mpishard.checkpoint.load_checkpoint` does. Returns its info, or
+        as [`load_checkpoint`][mpishard.checkpoint.load_checkpoint] does. Returns its info, or
         None when the folder holds none."""
         comm = Placement.of(model, as_strategy(optimizer), comm).world
         with comm.during(f"CheckpointManager.load_latest from {self.folder}"), \
                 comm.deadline("io"):
+            settle()
             path = comm.bcast(self.latest() if comm.rank == 0 else None, root=0)
             if path is None:
                 return None

@@ -1,6 +1,6 @@
 """Checkpoint format version 1: names, attributes, and the header a reader checks.
 
-One HDF5 file, sealed in its user block (:mod:`~mpishard.checkpoint.container`)::
+One HDF5 file, sealed in its user block (`mpishard.checkpoint.container`)::
 
     /                       format="mpishard-checkpoint", format_version=1, kind,
                             library_version, step, epoch, world_size, dp, tp, pp,
@@ -15,11 +15,11 @@ One HDF5 file, sealed in its user block (:mod:`~mpishard.checkpoint.container`):
                             batches (a stream's batch count; only for a stream's position)
     /model                  class, architecture (JSON), metadata (JSON)   [optional]
 
-``kind`` is ``"training"`` (written by :func:`save_checkpoint`) or ``"model"``
-(:meth:`save_model`, no optimizer). Tensor names are the layout's
+``kind`` is ``"training"`` (written by [`save_checkpoint`][mpishard.checkpoint.save_checkpoint]) or
+``"model"`` (`save_model`, no optimizer). Tensor names are the layout's
 (``"0.weight"``); they may not contain ``/``. A reader never trusts the file:
 every attribute is type-checked here and every problem is a
-:class:`~mpishard.errors.CheckpointError` naming the file.
+[`CheckpointError`][mpishard.errors.CheckpointError] naming the file.
 """
 
 from __future__ import annotations
@@ -55,13 +55,20 @@ _FLOATS = ("<f4", "<f8")
 
 @dataclass(frozen=True)
 class TensorRecord:
-    """One dataset of a checkpoint: ``group`` is ``"params"`` or ``"optimizer/<state>"``."""
+    """One dataset of a checkpoint, a logical tensor: ``group`` (``"params"``,
+    ``"optimizer/<state>"``), ``name``, its logical ``shape`` and ``dtype`` (a
+    numpy dtype string such as ``"<f8"``).
+
+    A writer declares it with ``key``, which orders tensors inside their group
+    (the flat-vector offset); a reader finds it with the file's ``checksum``.
+    """
 
     group: str
     name: str
     shape: tuple[int, ...]
-    dtype: str                 # numpy dtype string, e.g. "<f8"
-    checksum: Checksum
+    dtype: str
+    key: int = 0
+    checksum: Checksum | None = None
 
     @property
     def path(self) -> str:
@@ -95,7 +102,7 @@ class CheckpointInfo:
     metadata: dict[str, Any] | None = None
     lr: float | None = None             # the learning rate at ``step``, schedule applied
     settings: dict[str, Any] | None = None   # max_grad_norm, accumulation_steps (0.3 on)
-    #: What :func:`~mpishard.checkpoint.load_checkpoint` found different from the
+    #: What `load_checkpoint` found different from the
     #: file (the strategy's settings) or took from it (the schedule); one line each.
     notes: list[str] = field(default_factory=list)
 
@@ -195,7 +202,7 @@ def _record(f: Any, group: str, name: str, path: str) -> TensorRecord:
     if a.shape != (2,) or a.dtype != np.uint64:
         raise CheckpointError(f"{path}: attribute 'checksum' of {dpath}: expecting 2 "
                               f"unsigned 64-bit integers, got {a.dtype} of shape {a.shape}")
-    return TensorRecord(group, name, shape, dtype, Checksum.from_array(a))
+    return TensorRecord(group, name, shape, dtype, checksum=Checksum.from_array(a))
 
 
 def read_info(f: Any, path: str) -> CheckpointInfo:

@@ -2,11 +2,11 @@
 
 Loading has two collective steps:
 
-1. :func:`open_checkpoint`: rank 0 checks the seal (size and the digest of the
-   HDF5 structure, :mod:`~mpishard.checkpoint.container`) *before* HDF5 parses
-   the file, then reads and checks the header (:func:`~mpishard.checkpoint.format.read_info`)
+1. `open_checkpoint`: rank 0 checks the seal (size and the digest of the
+   HDF5 structure, `mpishard.checkpoint.container`) *before* HDF5 parses
+   the file, then reads and checks the header (`read_info`)
    and broadcasts it; any problem is raised on every rank.
-2. :func:`read_blocks`: each rank opens the file read-only with HDF5's default
+2. `read_blocks`: each rank opens the file read-only with HDF5's default
    driver (reads need no coordination, and a rank that fails cannot leave the
    others in a collective ``H5Fclose``), reads its requests straight into the
    caller's arrays, and checksums the ones marked ``verify`` in a helper thread
@@ -15,7 +15,7 @@ Loading has two collective steps:
    every rank compares them with the file's.
 
 The caller reads into staging arrays and commits them to the model only after
-:func:`read_blocks` returns, so a damaged file never leaves a half-loaded model.
+`read_blocks` returns, so a damaged file never leaves a half-loaded model.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def read_blocks(info: CheckpointInfo, comm: FlatComm | None, requests: Sequence[
     """Read every rank's ``requests`` and verify the checksums. Collective over ``comm``
     (``None``: this process alone).
 
-    ``opener`` returns the open h5py file (default: :func:`open_h5` of ``info.path``).
+    ``opener`` returns the open h5py file (default: `open_h5` of ``info.path``).
 
     Raises:
         CheckpointError: on every rank, when a read fails anywhere or a dataset's

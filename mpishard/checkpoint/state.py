@@ -1,9 +1,9 @@
 """``save_checkpoint`` / ``load_checkpoint``: a training job's state, at any layout.
 
 This module is the adapter between the strategies and the layout-free core
-(:mod:`~mpishard.checkpoint.write`, :mod:`~mpishard.checkpoint.read`). A rank's
+(`mpishard.checkpoint.write`, `mpishard.checkpoint.read`). A rank's
 model holds a *local* flat vector of ``n`` elements whose tensors are slices of
-*logical* tensors (:class:`~mpishard.nn.shards.TensorShard`: the whole tensor
+*logical* tensors ([`TensorShard`][mpishard.nn.TensorShard]: the whole tensor
 under DDP, ZeRO-2 and ZeRO-3; a tensor-parallel slice, or a copy replicated over the
 tensor group, and only its pipeline stage's layers under 3D parallelism). Two
 ranges of the local vector are named, on data-parallel rank ``r`` of ``N``:
@@ -21,7 +21,7 @@ ranges of the local vector are named, on data-parallel rank ``r`` of ``N``:
 Of a tensor replicated over the tensor group only tensor rank 0 writes (and
 verifies) its elements. A range of the local vector crosses tensor boundaries
 and, inside a tensor, is a run of the slice's C order that
-:func:`~mpishard.checkpoint.blocks.flat_blocks` cuts into at most ``2 * ndim - 1``
+`flat_blocks` cuts into at most ``2 * ndim - 1``
 hyperslabs of the slice, each shifted by the slice's offset into the logical
 tensor. On load every rank reads its share of the parameters (and of replicated
 state) into a staging buffer, every dataset is verified, and only then are the
@@ -51,6 +51,7 @@ from ..flat import ParamLayout, Range, shard_ranges
 from ..nn.shards import tensor_shards
 from ..optim.schedules import schedule_from_dict
 from ..protocols import DescribedModel, HasCore, StrategyCore
+from .background import settle, snapshot, start_background_write
 from .blocks import block_shape, block_size, flat_blocks
 from .checksum import ALGORITHM
 from .collective import agree_error
@@ -60,9 +61,18 @@ from .compare import (
     setting_differences,
     strategy_settings,
 )
-from .format import DATA, FORMAT, FORMAT_VERSION, MODEL, OPTIMIZER, PARAMS, CheckpointInfo
+from .format import (
+    DATA,
+    FORMAT,
+    FORMAT_VERSION,
+    MODEL,
+    OPTIMIZER,
+    PARAMS,
+    CheckpointInfo,
+    TensorRecord,
+)
 from .read import ReadRequest, open_checkpoint, read_blocks
-from .write import LogicalTensor, Piece, write_checkpoint_file
+from .write import Piece, write_checkpoint_file
 
 __all__ = ["Placement", "load_checkpoint", "save_checkpoint"]
 
@@ -76,11 +86,11 @@ class Placement:
     ``world``: the whole job (every collective of a save or load);
     ``dp``: the ranks holding the same shard (parameters are split among them
     to be written and read, then gathered); both are the groups'
-    :class:`~mpishard.comm.FlatComm` (``None``: one process, no MPI);
+    [`FlatComm`][mpishard.comm.FlatComm] (``None``: one process, no MPI);
     ``tp_rank``: a tensor replicated over
     the tensor group is written and verified by tensor rank 0 only;
     ``pp_rank``: orders the stages' tensors; ``shards``: each local tensor's
-    :class:`~mpishard.nn.shards.TensorShard`, by local name.
+    [`TensorShard`][mpishard.nn.TensorShard], by local name.
     """
 
     world: FlatComm | None
@@ -94,7 +104,7 @@ class Placement:
         """The placement of ``model`` under ``strategy`` (or, without one, its own
         configuration if it is a model-parallel model, else ``comm`` as one data group).
 
-        ``comm``: a :class:`~mpishard.comm.FlatComm`, an MPI intra-communicator
+        ``comm``: a [`FlatComm`][mpishard.comm.FlatComm], an MPI intra-communicator
         (wrapped once here, as the group "checkpoint", without a timeout), or
         ``None`` for ``MPI.COMM_WORLD``; ignored when a configuration decides.
         """
@@ -157,12 +167,12 @@ def _runs(layout: ParamLayout, place: Placement, r: Range):
 
 
 def declared(layout: ParamLayout, place: Placement, group: str,
-             dtype: Any) -> list[LogicalTensor]:
+             dtype: Any) -> list[TensorRecord]:
     """The logical tensors behind ``layout``, in ``group``."""
     d = np.dtype(dtype).newbyteorder("<").str
-    return [LogicalTensor(group, place.shards[s.name].logical_name,
-                          tuple(place.shards[s.name].logical_shape), d,
-                          place.key(i)) for i, s in enumerate(layout)]
+    return [TensorRecord(group, place.shards[s.name].logical_name,
+                         tuple(place.shards[s.name].logical_shape), d,
+                         place.key(i)) for i, s in enumerate(layout)]
 
 
 def vector_pieces(layout: ParamLayout, place: Placement, group: str, host: np.ndarray,
@@ -175,8 +185,8 @@ def vector_pieces(layout: ParamLayout, place: Placement, group: str, host: np.nd
     for spec, shard, part, blocks in _runs(layout, place, r):
         if not place.writes(spec.name):
             continue
-        t = LogicalTensor(group, shard.logical_name, tuple(shard.logical_shape), dtype,
-                          place.key(ordinal[spec.name]))
+        t = TensorRecord(group, shard.logical_name, tuple(shard.logical_shape), dtype,
+                         place.key(ordinal[spec.name]))
         at = part.start - base
         for blk in blocks:
             n = block_size(blk)
@@ -225,7 +235,7 @@ def _json(value: Any) -> str:
 #: The keys of a strategy's ``data_position`` (all ints), stored as ``/data``.
 DATA_POSITION_KEYS = ("epoch", "samples_consumed", "seed", "batch_size", "num_samples", "shuffle")
 #: Keys stored when the position has them: ``batches``, a stream's batch count
-#: (:class:`~mpishard.data.BatchStream`).
+#: (`BatchStream`).
 OPTIONAL_POSITION_KEYS = ("batches",)
 
 
@@ -264,7 +274,7 @@ def root_attrs(kind: str, step: int, epoch: int, world: int, dp: int, tp: int, p
 
 def model_attrs(model: Any) -> dict[str, Any] | None:
     """``/model`` attributes: the architecture (when known) and the metadata, from a
-    :class:`~mpishard.protocols.DescribedModel` (None for any other model)."""
+    [`DescribedModel`][mpishard.protocols.DescribedModel] (None for any other model)."""
     if not isinstance(model, DescribedModel):
         return None
     arch = model.architecture()
@@ -281,7 +291,8 @@ def _local(a: Any) -> np.ndarray:
 # --- save ------------------------------------------------------------------------
 
 def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, *,
-                    comm: Any = None, driver: str = "auto", durable: bool = True) -> str:
+                    comm: Any = None, driver: str = "auto", durable: bool = True,
+                    asynchronous: bool = False) -> str:
     """Write the training state to the HDF5 file ``path``, atomically.
 
     With a strategy ([`DDPOptimizer`][mpishard.strategies.ddp.DDPOptimizer],
@@ -296,7 +307,7 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     part is named, with the call and the group, instead of a hang). Each rank
     writes its share of its parameters and its part of the state, as logical
     tensors. With ``optimizer=None`` only the parameters, collective over
-    ``comm`` (a :class:`~mpishard.comm.FlatComm` or an MPI communicator;
+    ``comm`` (a [`FlatComm`][mpishard.comm.FlatComm] or an MPI communicator;
     ``MPI.COMM_WORLD`` by default; a model-parallel model's own configuration
     when it has one).
 
@@ -304,7 +315,17 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     ``MPISHARD_CHECKPOINT_DRIVER`` overrides), ``"mpio"`` or ``"serial"``.
     ``durable``: the file and its folder are on disk when this returns (fsync).
 
-    Returns the absolute path written.
+    ``asynchronous``: return once this rank has copied its part of the state
+    (into buffers reused by the next save; pinned host memory for CuPy); the
+    file is written by a thread and appears at ``path``, complete and durable,
+    at the commit: the next save or load,
+    [`wait_for_checkpoint`][mpishard.checkpoint.wait_for_checkpoint], or a step
+    boundary of the training loop
+    ([`mpishard.checkpoint.background`][mpishard.checkpoint.background]). A
+    failed background write is raised there, on every rank. ``driver`` does not
+    apply (rank 0 creates the file, every rank writes its bytes into it).
+
+    Returns the absolute path written (to be written, when asynchronous).
 
     Raises:
         TypeError: ``optimizer`` is not a strategy.
@@ -315,11 +336,21 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     strategy = as_strategy(optimizer)
     place = Placement.of(model, strategy, comm)
     with place.world.during(f"save_checkpoint({os.fspath(path)})"), place.file_io():
-        return _save(path, model, strategy, place, driver, durable)
+        settle()   # a save in flight is committed (or its failure raised) first
+        if asynchronous:
+            copy = snapshot().take
+            tensors, pieces, attrs = _contents(path, model, strategy, place, copy)
+            return start_background_write(path, place.world, tensors, pieces, attrs,
+                                          durable=durable, order_groups=(PARAMS,))
+        tensors, pieces, attrs = _contents(path, model, strategy, place, _local)
+        return write_checkpoint_file(path, place.world, tensors, pieces, attrs, driver=driver,
+                                     durable=durable, order_groups=(PARAMS,))
 
 
-def _save(path: str | os.PathLike, model: Any, strategy: Any, place: Placement, driver: str,
-          durable: bool) -> str:
+def _contents(path: str | os.PathLike, model: Any, strategy: Any, place: Placement,
+              local: Any) -> tuple[list[TensorRecord], list[Piece], dict[str, dict[str, Any]]]:
+    """The datasets, this rank's pieces (its ranges of the vectors through
+    ``local``: a host view or a snapshot's copy) and the attributes of a save."""
     world = place.world
     # The first call of a save is this agreement, under the timeout: a rank that
     # does not come is named here, before any HDF5 collective (which cannot be timed).
@@ -341,7 +372,7 @@ def _save(path: str | os.PathLike, model: Any, strategy: Any, place: Placement, 
     mine = share if held == Range(0, n) else held   # ZeRO-3: the shard is the share
     tensors = declared(layout, place, PARAMS, dtype)
     pieces = vector_pieces(layout, place, PARAMS,
-                           _local(params[mine.start - held.start:mine.stop - held.start]),
+                           local(params[mine.start - held.start:mine.stop - held.start]),
                            mine.start, mine)
     attrs: dict[str, dict[str, Any]] = {PARAMS: {}}
     if strategy is None:
@@ -370,16 +401,15 @@ def _save(path: str | os.PathLike, model: Any, strategy: Any, place: Placement, 
                             "hyperparameters": _json(hyper), "state_names": _json(names)}
         for s in names:
             group = f"{OPTIMIZER}/{s}"
-            local = state[s][mine.start - state_range.start:mine.stop - state_range.start]
+            part = state[s][mine.start - state_range.start:mine.stop - state_range.start]
             tensors += declared(layout, place, group, dtype)
-            pieces += vector_pieces(layout, place, group, _local(local), mine.start, mine)
+            pieces += vector_pieces(layout, place, group, local(part), mine.start, mine)
         if record is not None:
             attrs[DATA] = record
     extra = model_attrs(model)
     if extra is not None:
         attrs[MODEL] = extra
-    return write_checkpoint_file(path, world, tensors, pieces, attrs, driver=driver,
-                                 durable=durable, order_groups=(PARAMS,))
+    return tensors, pieces, attrs
 
 
 # --- load ------------------------------------------------------------------------
@@ -474,13 +504,13 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
 
     The strategy's settings are the caller's: its optimizer hyperparameters,
     clipping (``max_grad_norm``) and accumulation are kept, and where they
-    differ from the file's a :class:`~mpishard.errors.CheckpointWarning` says
+    differ from the file's a [`CheckpointWarning`][mpishard.errors.CheckpointWarning] says
     so (on rank 0). The learning-rate schedule likewise, except that a strategy
     made without one (``schedule=None``) takes the file's
     (``schedule_from_dict(info.schedule)``). What was found different or taken
     is listed in ``info.notes``, the same on every rank.
 
-    Returns the file's :class:`~mpishard.checkpoint.format.CheckpointInfo`.
+    Returns the file's [`CheckpointInfo`][mpishard.checkpoint.CheckpointInfo].
 
     Raises:
         FileNotFoundError: no file at ``path`` (every rank).
@@ -491,6 +521,7 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     strategy = as_strategy(optimizer)
     place = Placement.of(model, strategy, comm)
     with place.world.during(f"load_checkpoint({os.fspath(path)})"), place.file_io():
+        settle()   # a save in flight is committed (or its failure raised) first
         if strategy is not None and strategy.model is not model:
             strategy.attach(model)
         return _load(path, model, strategy, place, strict_architecture)

@@ -1,13 +1,14 @@
 """Writing logical tensors from many ranks into one sealed HDF5 file, atomically.
 
-The unit every strategy speaks is a :class:`Piece`: a hyperslab (block) of one
+The unit every strategy speaks is a `Piece`: a hyperslab (block) of one
 logical tensor that this rank holds and is the designated writer of. Replicated
 data must be given by exactly one rank (the coverage check below catches a
 gap or an overlap). A data-parallel rank gives its share of the flat vectors
-(:mod:`~mpishard.checkpoint.state`); a tensor-parallel rank will give its
+(`mpishard.checkpoint.state`); a tensor-parallel rank will give its
 slice of a split weight; a pipeline stage only its layers' tensors. Every rank
-declares the :class:`LogicalTensor` s it knows; the union, in one order agreed
-by all, is what the file holds, because HDF5 creates datasets collectively.
+declares the tensors it knows (each a
+[`TensorRecord`][mpishard.checkpoint.TensorRecord]); the union, in one order
+agreed by all, is what the file holds, because HDF5 creates datasets collectively.
 
 Order of a save (collective over ``comm``):
 
@@ -25,17 +26,16 @@ Order of a save (collective over ``comm``):
    folder. A rank that dies before this leaves only the temporary file behind.
 
 Every message between the ranks goes through a
-:class:`~mpishard.comm.FlatComm` under its timeout, so a rank that does not
+[`FlatComm`][mpishard.comm.FlatComm] under its timeout, so a rank that does not
 take part is named with the call and the group; HDF5's own collectives (step 3,
 ``mpio``) are entered behind a timed barrier and under a deadline
-(:func:`~mpishard.comm.hdf5_deadline`).
+([`hdf5_deadline`][mpishard.comm.hdf5_deadline]).
 """
 
 from __future__ import annotations
 
 import io
 import json
-import math
 import os
 import secrets
 from collections.abc import Sequence
@@ -51,10 +51,10 @@ from .blocks import Block, block_shape, block_size, split_block
 from .checksum import Checksum, block_checksum
 from .collective import agree_error, resolve_driver
 from .container import seal_file, seal_image, userblock_size_for
+from .format import TensorRecord, check_tensor_name
 
 __all__ = [
     "CHUNK_BYTES",
-    "LogicalTensor",
     "Piece",
     "TEMP_MARK",
     "write_checkpoint_file",
@@ -74,31 +74,10 @@ _TAG = 7301
 
 
 @dataclass(frozen=True)
-class LogicalTensor:
-    """A dataset: ``group`` (``"params"``, ``"optimizer/exp_avg"``), ``name``, its
-    logical ``shape`` and ``dtype`` (a numpy dtype string such as ``"<f8"``);
-    ``key`` orders tensors inside their group (the flat-vector offset)."""
-
-    group: str
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    key: int
-
-    @property
-    def path(self) -> str:
-        return f"{self.group}/{self.name}"
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
 class Piece:
     """``data`` (a host array of the block's shape) is ``tensor[block]``."""
 
-    tensor: LogicalTensor
+    tensor: TensorRecord
     block: Block
     data: np.ndarray
 
@@ -129,14 +108,14 @@ def _piece_problem(p: Piece) -> str | None:
     return None
 
 
-def _union(every: Sequence[Sequence[tuple]]) -> tuple[list[LogicalTensor], str | None]:
+def _union(every: Sequence[Sequence[tuple]]) -> tuple[list[TensorRecord], str | None]:
     """The datasets all ranks declared, in an order every rank computes alike:
     groups in order of first appearance (rank 0 first), then by key and name."""
     groups: dict[str, int] = {}
-    found: dict[str, LogicalTensor] = {}
+    found: dict[str, TensorRecord] = {}
     for rank, decls in enumerate(every):
         for group, name, shape, dtype, key in decls:
-            t = LogicalTensor(group, name, tuple(shape), dtype, key)
+            t = TensorRecord(group, name, tuple(shape), dtype, key)
             groups.setdefault(group, len(groups))
             old = found.setdefault(t.path, t)
             if old != t:
@@ -159,15 +138,13 @@ def _set_attrs(obj: Any, attrs: dict[str, Any]) -> None:
         obj.attrs[key] = attrs[key]
 
 
-def _plan(final: str, tensors: Sequence[LogicalTensor], pieces: Sequence[Piece],
+def _plan(final: str, tensors: Sequence[TensorRecord], pieces: Sequence[Piece],
           every: Sequence[Sequence[tuple]],
-          ) -> tuple[list[LogicalTensor], dict[str, int], str | None]:
+          ) -> tuple[list[TensorRecord], dict[str, int], str | None]:
     """The agreed datasets, their index, and this rank's problem with its pieces."""
     ordered, problem = _union(every)
     index = {t.path: i for i, t in enumerate(ordered)}
     if problem is None:
-        from .format import check_tensor_name
-
         problem = next(filter(None, (check_tensor_name(t.name) for t in ordered)), None)
     for p in pieces:
         if problem is None and p.tensor.path not in index:
@@ -176,7 +153,7 @@ def _plan(final: str, tensors: Sequence[LogicalTensor], pieces: Sequence[Piece],
     return ordered, index, f"{final}: {problem}" if problem else None
 
 
-def _with_order(attrs: dict[str, dict[str, Any]], ordered: Sequence[LogicalTensor],
+def _with_order(attrs: dict[str, dict[str, Any]], ordered: Sequence[TensorRecord],
                 groups: Sequence[str]) -> dict[str, dict[str, Any]]:
     out = {g: dict(a) for g, a in attrs.items()}
     for g in groups:
@@ -184,14 +161,14 @@ def _with_order(attrs: dict[str, dict[str, Any]], ordered: Sequence[LogicalTenso
     return out
 
 
-def _declarations(tensors: Sequence[LogicalTensor]) -> list[tuple]:
+def _declarations(tensors: Sequence[TensorRecord]) -> list[tuple]:
     return [(t.group, t.name, tuple(t.shape), t.dtype, t.key) for t in tensors]
 
 
-def write_image(tensors: Sequence[LogicalTensor], pieces: Sequence[Piece],
+def write_image(tensors: Sequence[TensorRecord], pieces: Sequence[Piece],
                 attrs: dict[str, dict[str, Any]], name: str = "<bytes>",
                 order_groups: Sequence[str] = ()) -> bytes:
-    """The sealed checkpoint file of :func:`write_checkpoint_file`, built in memory
+    """The sealed checkpoint file of `write_checkpoint_file`, built in memory
     by this process alone (``pieces`` must cover every tensor).
 
     Raises:
@@ -226,7 +203,7 @@ def write_image(tensors: Sequence[LogicalTensor], pieces: Sequence[Piece],
 
 
 def write_checkpoint_file(path: str | os.PathLike, comm: FlatComm | None,
-                          tensors: Sequence[LogicalTensor],
+                          tensors: Sequence[TensorRecord],
                           pieces: Sequence[Piece], attrs: dict[str, dict[str, Any]], *,
                           driver: str = "auto", durable: bool = True,
                           order_groups: Sequence[str] = ()) -> str:
@@ -234,7 +211,7 @@ def write_checkpoint_file(path: str | os.PathLike, comm: FlatComm | None,
     (``None``: this process alone), under its timeout: the write runs on a
     duplicate of ``comm`` named "checkpoint", so its messages never meet the
     caller's, and HDF5's own collectives are entered only once every rank has
-    arrived, with a deadline (:func:`~mpishard.comm.hdf5_deadline`).
+    arrived, with a deadline ([`hdf5_deadline`][mpishard.comm.hdf5_deadline]).
 
     ``tensors`` are the datasets this rank knows of, ``pieces`` what it writes;
     ``attrs`` maps a group (``"/"``, ``"params"``, ``"optimizer"``, ...) to its
@@ -265,7 +242,7 @@ def write_checkpoint_file(path: str | os.PathLike, comm: FlatComm | None,
 
 
 def _write(final: str, comm: FlatComm | None, rank: int, size: int, mode: str,
-           tensors: Sequence[LogicalTensor], pieces: Sequence[Piece],
+           tensors: Sequence[TensorRecord], pieces: Sequence[Piece],
            attrs: dict[str, dict[str, Any]], durable: bool, order_groups: tuple) -> str:
     # 1. the datasets, and whether the pieces fit them
     mine = _declarations(tensors)
@@ -336,7 +313,7 @@ def _combined(comm: FlatComm | None, sums: Any, count: int) -> np.ndarray:
     return table
 
 
-def _create(f: Any, ordered: Sequence[LogicalTensor], attrs: dict[str, dict[str, Any]]) -> dict:
+def _create(f: Any, ordered: Sequence[TensorRecord], attrs: dict[str, dict[str, Any]]) -> dict:
     """Groups, datasets and attributes, in one order (collective under mpio)."""
     groups = sorted({t.group for t in ordered} | {g for g in attrs if g != "/"})
     for g in groups:
@@ -352,7 +329,7 @@ def _create(f: Any, ordered: Sequence[LogicalTensor], attrs: dict[str, dict[str,
     return dsets
 
 
-def _annotate(ordered: Sequence[LogicalTensor], dsets: dict,
+def _annotate(ordered: Sequence[TensorRecord], dsets: dict,
               table: np.ndarray) -> list[tuple[int, int]]:
     """Write the checksum attributes; return the raw-data extents (for the seal).
     Collective under ``mpio`` (every rank writes the same attributes)."""
@@ -369,7 +346,7 @@ def _write_block(d: Any, block: Block, data: np.ndarray) -> None:
     d.write_direct(np.ascontiguousarray(data), dest_sel=block if block else None)
 
 
-def _write_mpio(tmp: str, comm: FlatComm, ub: int, ordered: Sequence[LogicalTensor],
+def _write_mpio(tmp: str, comm: FlatComm, ub: int, ordered: Sequence[TensorRecord],
                 chunks: Sequence[Piece], attrs: dict, sums: Any, durable: bool):
     import h5py
 
@@ -418,7 +395,7 @@ def _write_mpio(tmp: str, comm: FlatComm, ub: int, ordered: Sequence[LogicalTens
 
 
 def _write_serial(tmp: str, comm: FlatComm | None, rank: int, size: int, ub: int,
-                  ordered: Sequence[LogicalTensor], chunks: Sequence[Piece], attrs: dict,
+                  ordered: Sequence[TensorRecord], chunks: Sequence[Piece], attrs: dict,
                   sums: Any, durable: bool):
     descriptors = [(c.tensor.path, tuple((s.start, s.stop) for s in c.block)) for c in chunks]
     every = comm.gather(descriptors, root=0) if size > 1 else [descriptors]

@@ -17,7 +17,7 @@ _current: list = []
 def install_abort_hook(comm) -> None:
     """Make an uncaught exception print its traceback and abort the job.
 
-    ``comm`` is the :class:`~mpishard.comm.FlatComm` the library trains on; the
+    ``comm`` is the [`FlatComm`][mpishard.comm.FlatComm] the library trains on; the
     message names this rank's world rank, host and rank in ``comm``, and says
     what ends: ``MPI_Abort`` ends every process of the job (under Open MPI all
     of ``MPI.COMM_WORLD``, a simulation sharing the job included), not only

@@ -69,7 +69,7 @@ class Handle:
     than it is asked for: its device-to-host copy runs on a CUDA stream of its
     own while the caller goes on (the backward keeps queueing kernels), and the
     MPI call starts once the copy is done (``request`` is None until then; see
-    :meth:`FlatComm.progress`).
+    [`FlatComm.progress`][mpishard.comm.FlatComm.progress]).
     """
 
     __slots__ = ("request", "finish", "what", "comm", "start")
@@ -124,14 +124,14 @@ class FlatComm:
         name: the group's name in error messages ("data-parallel", ...).
         timeout: seconds a collective may take before the job is aborted
             (``None``: wait forever, using MPI's own blocking wait), or the
-            :class:`~mpishard.comm.deadlines.Deadlines` of each kind of wait;
+            [`Deadlines`][mpishard.comm.deadlines.Deadlines] of each kind of wait;
             a call waits under the ``peer`` deadline unless it is made inside
-            :meth:`deadline` (``"data"``, ``"io"``).
+            [`deadline`][mpishard.comm.FlatComm.deadline] (``"data"``, ``"io"``).
         cuda_aware: hand device buffers to MPI directly; ``None`` detects.
     """
 
-    #: What :meth:`abort` does (a timeout's end): ``MPI_Abort``, ending every
-    #: process of the job (True), or raise :class:`~mpishard.errors.CommunicationError`
+    #: What `abort` does (a timeout's end): ``MPI_Abort``, ending every
+    #: process of the job (True), or raise `CommunicationError`
     #: on this rank only (False: ``ShardingConfiguration(abort_on_exception=False)``,
     #: for a job whose other ranks, a simulation, must live on). Groups made
     #: from this one (dup, split) inherit it.
@@ -156,17 +156,17 @@ class FlatComm:
         self._length = np.zeros(1, dtype=np.int64)       # reused by bcast
         self._during: list[str] = []                     # what the caller is doing, for messages
         #: At the timeout, SIGKILL the ranks that did not arrive instead of aborting
-        #: (ULFM only: :func:`mpishard.comm.ulfm.enable` sets it).
+        #: (ULFM only: `mpishard.comm.ulfm.enable` sets it).
         self.evict_stuck = False
         #: Seconds a wait goes on past the deadline before it gives up (the
-        #: messages still name the deadline): see :meth:`arrival_spread`.
+        #: messages still name the deadline): see `arrival_spread`.
         self.grace = 0.0
 
     # --- waiting ---------------------------------------------------------
     @property
     def timeout(self) -> float | None:
         """Seconds the calls made now may wait: the deadline of the current kind
-        (``peer`` outside :meth:`deadline`)."""
+        (``peer`` outside [`deadline`][mpishard.comm.FlatComm.deadline])."""
         return self.deadlines.of(self._kinds[-1] if self._kinds else "peer")
 
     @property
@@ -178,7 +178,8 @@ class FlatComm:
     def deadline(self, kind: str) -> Iterator[FlatComm]:
         """Make the calls inside the ``with`` block wait under the deadline of
         ``kind`` (``"data"``: the slowest rank's data; ``"io"``: file I/O; see
-        :mod:`mpishard.comm.deadlines`), named so in a timeout message. Local; nests."""
+        [`mpishard.comm.deadlines`][mpishard.comm.deadlines]), named so in a timeout message. Local;
+        nests."""
         self.deadlines.of(kind)   # a ValueError for an unknown kind
         self._kinds.append(kind)
         try:
@@ -188,7 +189,7 @@ class FlatComm:
 
     def wait_request(self, request: MPI.Request, what: str) -> None:
         """Wait for ``request``; past the timeout abort the job naming ``what``.
-        A failure raises :class:`mpi4py.MPI.Exception` (:meth:`failure`)."""
+        A failure raises `mpi4py.MPI.Exception` ([`failure`][mpishard.comm.FlatComm.failure])."""
         try:
             self._wait(request, what)
         except MPI.Exception as exc:
@@ -201,10 +202,10 @@ class FlatComm:
             raise
 
     def failure(self, exc: MPI.Exception) -> MPI.Exception:
-        """``exc``, or, on a fault-tolerant group (:func:`mpishard.comm.ulfm.enable`)
-        that a survivor revoked or where a rank failed, ``ERR_REVOKED`` in place of
-        the ``ERR_OTHER`` that Open MPI 5's non-blocking collectives (libnbc:
-        "Error in NBC_Start_round") sometimes report then, so that the caller
+        """``exc``, or, on a fault-tolerant group
+        ([`mpishard.comm.ulfm.enable`][mpishard.comm.ulfm.enable]) that a survivor revoked or where
+        a rank failed, ``ERR_REVOKED`` in place of the ``ERR_OTHER`` that Open MPI 5's non-blocking
+        collectives (libnbc: "Error in NBC_Start_round") sometimes report then, so that the caller
         recovers instead of ending the job. Local."""
         if not (getattr(self, "fault_tolerant", False) and hasattr(MPI, "ERR_REVOKED")
                 and exc.Get_error_class() == MPI.ERR_OTHER):
@@ -259,7 +260,7 @@ class FlatComm:
     def _abort_stuck(self, what: str) -> None:
         """Abort naming ``what`` and the ranks of the group that did not arrive:
         world rank, pid, host, whether it is stopped, and its Python stack
-        (:mod:`mpishard.comm.stuck`)."""
+        (`mpishard.comm.stuck`)."""
         summary, detail = stuck.diagnose(self.name, self._members())
         self.abort(f"{self.describe(what)} did not finish within {self.timeout:g} s "
                    f"({self.deadlines.explain(self.kind)})"
@@ -286,7 +287,7 @@ class FlatComm:
         """Print ``message`` naming this rank and abort every rank of the job.
 
         ``MPI_Abort`` ends every process of the job (all of ``MPI.COMM_WORLD``
-        under Open MPI), not only this group. With :attr:`abort_job` False it
+        under Open MPI), not only this group. With `abort_job` False it
         raises instead, on this rank only.
 
         Raises:
@@ -461,7 +462,8 @@ class FlatComm:
 
     def Reduce_scatter(self, sendbuf: Any, recvbuf: Any, counts: list[int],
                        slot: Any = "reduce_scatter") -> None:
-        """Blocking :meth:`Ireduce_scatter`. Collective over the group."""
+        """Blocking [`Ireduce_scatter`][mpishard.comm.FlatComm.Ireduce_scatter]. Collective over the
+        group."""
         self.flush_deferred()
         if self.timeout is not None or array_namespace(sendbuf) is not np:
             self.Ireduce_scatter(sendbuf, recvbuf, counts, slot).wait()
@@ -470,8 +472,8 @@ class FlatComm:
 
     def Iallgatherv(self, buf: Any, counts: Sequence[int], slot: Any = "allgather",
                     finish: Callable[[], None] | None = None) -> Handle:
-        """Start the in-place :meth:`Allgatherv` of ``buf`` (each rank's piece
-        already sits in ``buf``). Collective over the group."""
+        """Start the in-place [`Allgatherv`][mpishard.comm.FlatComm.Allgatherv] of ``buf`` (each
+        rank's piece already sits in ``buf``). Collective over the group."""
         spec = ([int(c) for c in counts], _displacements(counts))
         xp = self._deferrable(buf)
         if xp is not None:
@@ -665,8 +667,8 @@ class FlatComm:
     def first_finding(self, finding: Any) -> tuple[int, int, Any] | None:
         """The lowest rank with a ``finding`` (not None): ``(rank in the group,
         world rank, its finding)`` on every rank, or None where no rank has one.
-        The agreement under :meth:`agree`, for callers that raise in their own
-        way. Collective over the group: one integer Allreduce, and a broadcast
+        The agreement under [`agree`][mpishard.comm.FlatComm.agree], for callers that raise in their
+        own way. Collective over the group: one integer Allreduce, and a broadcast
         only when some rank found something."""
         first = self.allreduce(self.rank if finding is not None else self.size, op="min")
         if first == self.size:
@@ -707,8 +709,9 @@ class FlatComm:
     # --- communicators ---------------------------------------------------
     def dup(self, name: str | None = None, *, context: bool = True) -> FlatComm:
         """A duplicate of the group (its own message space), with the activities
-        named by :meth:`during` and the kind of wait of :meth:`deadline` unless
-        ``context`` is False. Collective over the group."""
+        named by [`during`][mpishard.comm.FlatComm.during] and the kind of wait of
+        [`deadline`][mpishard.comm.FlatComm.deadline] unless ``context`` is False. Collective over
+        the group."""
         self.flush_deferred()
         if self.timeout is not None and hasattr(self.comm, "Idup"):
             comm, request = self.comm.Idup()
@@ -761,7 +764,7 @@ class FlatComm:
 
 
 def from_comm(comm: Any, name: str, timeout: float | Deadlines | None = None) -> FlatComm:
-    """``comm`` itself when it already is a :class:`FlatComm`, else one around it
+    """``comm`` itself when it already is a [`FlatComm`][mpishard.comm.FlatComm], else one around it
     (for code that takes a user's ``mpi4py`` communicator)."""
     if isinstance(comm, FlatComm):
         return comm

@@ -7,7 +7,7 @@ last for different reasons:
   (``ShardingConfiguration(timeout=...)``). A rank that does not come within it
   is stuck or took another path: the message names it.
 * ``data``: waiting for the slowest rank's data. A
-  :class:`~mpishard.data.BatchStream` step starts with a small exchange that
+  [`BatchStream`][mpishard.data.BatchStream] step starts with a small exchange that
   completes only once every rank's iterator has yielded its batch, that is, once
   the simulation behind the slowest rank has produced it
   (``data_timeout=``). Skew between the ranks' producers is normal in a coupled
@@ -17,8 +17,8 @@ last for different reasons:
   collective ``File`` open and close (``io_timeout=``). A busy shared file
   system can take minutes.
 
-Precedence (:meth:`Deadlines.build`): a kind's own argument when given (``None``
-waits forever), else ``timeout``; so ``timeout=T`` alone bounds every wait by
+Precedence ([`Deadlines.build`][mpishard.comm.deadlines.Deadlines.build]): a kind's own argument
+when given (``None`` waits forever), else ``timeout``; so ``timeout=T`` alone bounds every wait by
 ``T``, as it did before the kinds existed.
 """
 

@@ -4,8 +4,8 @@ Every rank of a node sees the node's GPUs (or those ``CUDA_VISIBLE_DEVICES``
 shows it) and takes ``local rank % GPUs``: with 4 ranks and 4 GPUs on a node,
 one each; with 2 ranks on 1 GPU, both share it; under Slurm with
 ``--gpus-per-task=1`` each task sees one device and takes it. ``--gpu-index``
-overrides the rule (:func:`mpishard.backend.gpu_for_rank`). CuPy is imported
-only here, when a GPU is asked for.
+overrides the rule ([`mpishard.backend.gpu_for_rank`][mpishard.backend.gpu_for_rank]). CuPy is
+imported only here, when a GPU is asked for.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def choose_gpu(world: FlatComm, index: int | None = None) -> tuple[ModuleType, G
 
 
 def gpu_map(world: FlatComm) -> list[str] | str:
-    """Each rank's GPU as :func:`choose_gpu` would choose it (one line per rank,
-    on every rank), or why there is none (the lowest such rank's reason).
+    """Each rank's GPU as [`choose_gpu`][mpishard.comm.choose_gpu] would choose it (one line per
+    rank, on every rank), or why there is none (the lowest such rank's reason).
     Collective over ``world``; makes no device current."""
     local = _local_rank(world)
     try:

@@ -1,14 +1,14 @@
 """Parameter buckets gathered as a model reads them: ZeRO-3's parameter hooks.
 
 Each data-parallel rank holds only its shard of the flat parameter vector (a
-contiguous range, :func:`~mpishard.flat.shard_ranges`). The vector is cut into
-buckets of whole units (the ranges of :func:`~mpishard.flat.bucket_ranges`,
-here in forward order, lowest offsets first). :class:`ParameterGather` is the
-:class:`~mpishard.protocols.ParameterHooks` object a strategy gives a
-:class:`~mpishard.protocols.ShardableModel`: before a layer reads its
-parameters, the bucket holding them is gathered from every rank's shard
-(``Allgatherv``, in place: each rank first copies its own piece in) into a slot
-buffer, where the model's parameter views, bound once, point.
+contiguous range, [`shard_ranges`][mpishard.flat.shard_ranges]). The vector is cut into
+buckets of whole units (the ranges of [`bucket_ranges`][mpishard.flat.bucket_ranges],
+here in forward order, lowest offsets first).
+[`ParameterGather`][mpishard.comm.gather.ParameterGather] is the
+[`ParameterHooks`][mpishard.protocols.ParameterHooks] object a strategy gives a
+[`ShardableModel`][mpishard.protocols.ShardableModel]: before a layer reads its parameters, the
+bucket holding them is gathered from every rank's shard (``Allgatherv``, in place: each rank first
+copies its own piece in) into a slot buffer, where the model's parameter views, bound once, point.
 
 **Slots.** Bucket ``j`` always lands in slot ``j % k``, so each tensor's view
 is fixed: ``k = 1`` without prefetch (one bucket gathered at a time); ``k = 2``
@@ -16,8 +16,8 @@ with prefetch (while bucket ``j`` is read, ``j + 1`` in a forward, ``j - 1`` in
 a backward, is gathered into the other slot with ``Iallgatherv``); with
 ``keep`` every bucket has its own place in one whole-vector buffer. A gathered
 bucket stays valid in its slot until the slot is needed by another bucket or
-:meth:`ParameterGather.invalidate` (the owner calls it whenever the shard
-changes: an update, a loaded checkpoint). So the buckets a forward gathered
+[`ParameterGather.invalidate`][mpishard.comm.gather.ParameterGather.invalidate] (the owner calls it
+whenever the shard changes: an update, a loaded checkpoint). So the buckets a forward gathered
 last are still there when its backward starts with them, and with ``keep``
 neither a backward nor the forward of the next micro-batch gathers anything.
 
@@ -135,7 +135,7 @@ class ParameterGather:
 
     def views(self, layout: ParamLayout) -> Callable[[str], Any]:
         """``view(name)``: where tensor ``name``'s parameters are read, in the slot
-        buffers (for :meth:`~mpishard.protocols.ShardableModel.bind_parameters`)."""
+        buffers (for `bind_parameters`)."""
         views = {}
         for j, b in enumerate(self.ranges):
             buf = self.bucket(j)
@@ -182,7 +182,8 @@ class ParameterGather:
 
     def drop(self) -> None:
         """Forget the gathers still arriving without waiting for them (the group
-        is broken: a lost rank) and :meth:`invalidate`. Local."""
+        is broken: a lost rank) and [`invalidate`][mpishard.comm.gather.ParameterGather.invalidate].
+        Local."""
         for j in self._inflight:
             self._pending[j] = None
         self._inflight.clear()

@@ -15,15 +15,15 @@ __all__ = ["ProcessGroups"]
 
 @dataclass
 class ProcessGroups:
-    """The groups of this rank, each one :class:`~mpishard.comm.FlatComm`.
+    """The groups of this rank, each one [`FlatComm`][mpishard.comm.FlatComm].
 
     ``world`` is a duplicate of the parent communicator (so the library's
     messages never mix with the caller's), and ``dp``, ``tp``, ``pp`` come from
-    ``Comm.Split`` of it in the ``tp-dp-pp`` order of :mod:`mpishard.topology`.
+    ``Comm.Split`` of it in the ``tp-dp-pp`` order of [`mpishard.topology`][mpishard.topology].
     With 8 ranks, tp=2, dp=2, pp=2, rank 5 has ``tp`` = {4,5}, ``dp`` = {5,7},
     ``pp`` = {1,5}; its ranks in those groups are 1, 0 and 1.
 
-    ``nodes`` is the node map of ``world`` (:mod:`mpishard.comm.nodes`). Tensor
+    ``nodes`` is the node map of ``world`` (`mpishard.comm.nodes`). Tensor
     groups are placed inside nodes: when the parent's rank order would put a
     tensor group on two nodes (ranks mapped round robin, ``--map-by node``),
     ``world`` is renumbered node by node; when no order can (a node's rank count
@@ -35,8 +35,8 @@ class ProcessGroups:
     the "which call, which group" message cover all of it. Pass them on
     explicitly (``groups.dp``); never make a second ``FlatComm`` over one.
 
-    Building is collective over the parent; :meth:`free` (or leaving a ``with``
-    block) is collective over it too.
+    Building is collective over the parent; [`free`][mpishard.comm.ProcessGroups.free] (or leaving a
+    ``with`` block) is collective over it too.
     """
 
     topology: Topology
@@ -55,7 +55,7 @@ class ProcessGroups:
               allow_tensor_across_nodes: bool = False) -> ProcessGroups:
         """Split ``world`` (the library's own duplicate of the parent) into the
         groups of ``topology``; ``world`` (renumbered node by node when the tensor
-        groups need it, see the class doc) becomes :attr:`world`. Collective over
+        groups need it, see the class doc) becomes `world`. Collective over
         ``world``.
 
         Raises:

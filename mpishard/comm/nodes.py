@@ -8,9 +8,9 @@ slot on two nodes of 2 (Open MPI's default) the map is::
     node   0 0 1 1          ranks per node (2, 2)
 
 and with ``--map-by node`` (round robin) it is ``0 1 0 1``. A tensor-parallel
-group (neighbouring ranks in the ``tp-dp-pp`` order of :mod:`mpishard.topology`)
+group (neighbouring ranks in the ``tp-dp-pp`` order of [`mpishard.topology`][mpishard.topology])
 stays inside a node when every node holds whole tensor groups:
-:func:`node_placement` finds the rank order that makes it so, or says why none does.
+`node_placement` finds the rank order that makes it so, or says why none does.
 """
 
 from __future__ import annotations

@@ -1,26 +1,26 @@
 """Naming a stuck rank: each rank's pid and host, the call it waits in, its Python stack.
 
-A timed call (:meth:`FlatComm.wait_request <mpishard.comm.FlatComm.wait_request>`)
+A timed call ([`FlatComm.wait_request`][mpishard.comm.FlatComm.wait_request])
 that runs out knows only that *some* rank of its group did not arrive. To say which,
 and why, the ranks keep an out-of-band record in a per-job directory:
 
 * ``rank-R.json`` (R: the ``MPI.COMM_WORLD`` rank): pid and host, written when a
-  :class:`~mpishard.ShardingConfiguration` is built (:func:`register`, collective),
-  and removed when the process exits through Python (``atexit``): a rank whose
+  [`ShardingConfiguration`][mpishard.config.ShardingConfiguration] is built (`register`,
+  collective), and removed when the process exits through Python (``atexit``): a rank whose
   file stays while its pid is gone died (the elastic agent reads this too);
 * ``wait-R.json``: the call and group this rank has been waiting in for longer than
-  :func:`note_after` seconds (written only for such slow waits, so the step loop
+  `note_after` seconds (written only for such slow waits, so the step loop
   pays nothing; removed when the wait ends);
 * ``stack-R.txt``: where ``faulthandler`` writes this rank's Python stack (every
-  thread) when it receives :data:`STACK_SIGNAL`, and where the rank's own
-  watchdog writes it when the rank makes no progress (:func:`watch`: a rank that
+  thread) when it receives `STACK_SIGNAL`, and where the rank's own
+  watchdog writes it when the rank makes no progress (`watch`: a rank that
   another host cannot signal shows its stack itself).
 
-At the timeout the waiting rank reads its group's records (:func:`diagnose`): a
+At the timeout the waiting rank reads its group's records (`diagnose`): a
 member with no ``wait`` record over the same group did not arrive. A member on this
 host is then examined: ``/proc/PID/stat`` state ``T`` means stopped (SIGSTOP or a
 debugger; a stopped process cannot dump its stack), ``Z`` or no process means it
-died; otherwise it is sent :data:`STACK_SIGNAL` and its stack is read back. The
+died; otherwise it is sent `STACK_SIGNAL` and its stack is read back. The
 directory is ``MPISHARD_JOB_DIR`` when set (the elastic agent sets it per launch),
 else a folder under the temporary directory named by world rank 0's host and pid.
 Members on another host are named from the pid and host gathered at registration;
@@ -36,19 +36,21 @@ import atexit
 import faulthandler
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from mpi4py import MPI
 
 __all__ = ["STACK_SIGNAL", "JobRecord", "describe_members", "diagnose", "evict", "job",
-           "forget", "note_abort", "note_after", "note_wait", "process_state", "register",
-           "unnote_wait", "watch", "watch_after"]
+           "forget", "note_abort", "note_after", "note_wait", "process_state",
+           "reading_data_source", "register", "unnote_wait", "watch", "watch_after"]
 
 #: The signal that makes a registered rank write its Python stack. A real-time
 #: signal where there is one: SIGUSR1 is the elastic agent's "checkpoint and stop"
@@ -78,13 +80,13 @@ _job: JobRecord | None = None   # one per process: a process belongs to one MPI 
 
 
 def job() -> JobRecord | None:
-    """This process's record, or None before the first :func:`register`."""
+    """This process's record, or None before the first `register`."""
     return _job
 
 
 def register(world: Any) -> JobRecord:
     """Record every rank's pid and host, pick the job directory and arm the stack
-    dump. Collective over ``world`` (a :class:`~mpishard.comm.FlatComm`): one
+    dump. Collective over ``world`` (a [`FlatComm`][mpishard.comm.FlatComm]): one
     allgather and one broadcast, at configuration time, never in the step loop."""
     global _job
     me = MPI.COMM_WORLD.Get_rank()
@@ -141,7 +143,7 @@ def note_abort(message: str) -> None:
 
 def forget() -> None:
     """Remove this rank's records now (an exit that skips ``atexit``:
-    :func:`mpishard.comm.ulfm.leave`). Local."""
+    [`mpishard.comm.ulfm.leave`][mpishard.comm.ulfm.leave]). Local."""
     _forget()
 
 
@@ -185,7 +187,7 @@ def watch_after(timeout: float) -> float:
 
 def watch(timeout: float | None) -> None:
     """Arm this rank's own watchdog again (the strategies call it at each
-    ``backward``): unless it is armed again within :func:`watch_after` of
+    ``backward``): unless it is armed again within `watch_after` of
     ``timeout`` seconds, ``faulthandler`` writes every thread's Python stack to
     ``stack-R.txt``, once, from a thread of its own: a rank stuck in an endless
     loop or a deadlock of its own shows where, also to ranks on another host,
@@ -220,6 +222,29 @@ def unnote_wait() -> None:
             os.remove(_job.path("wait", _job.me))
         except OSError:
             pass
+
+
+_T = TypeVar("_T")
+
+
+def reading_data_source(read: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``read(*args, **kwargs)``: the training loop reads the user's data through
+    it (a dataset's ``gather``, a stream's next batch). Its frame in a rank's
+    stack tells `diagnose` that a rank in no call of the library is in its data
+    source. One Python call, nothing else. Local."""
+    return read(*args, **kwargs)
+
+
+#: A faulthandler stack line of a frame of `reading_data_source`.
+_IN_DATA_SOURCE = re.compile(rf"line \d+ in {reading_data_source.__name__}$", re.MULTILINE)
+
+
+def _outside_library(stack: str) -> str:
+    """What a rank with no wait note is doing, from its stack."""
+    if _IN_DATA_SOURCE.search(stack):
+        return ("is in the user's data source (the training loop is reading its dataset "
+                "or stream: see its stack)")
+    return "is in no call of the library"
 
 
 def process_state(pid: int) -> str | None:
@@ -318,8 +343,7 @@ def diagnose(group: str, world_ranks: list[int]) -> tuple[str, str]:
                 break
             time.sleep(0.02)
         doing = _read(_job.path("wait", rank))
-        what = f"waits in {doing['call']}" if doing else (
-            "is in no call of the library")
+        what = f"waits in {doing['call']}" if doing else _outside_library(stack)
         parts.append(f"{where}: is running (state {state}) but {what}")
         details.append(f"[mpishard] Python stack of world rank {rank} (pid {_pid}):\n"
                        + (stack.strip() or "(no stack came back within "
@@ -348,10 +372,10 @@ def _remote(rank: int, host: str | None, details: list[str]) -> str:
                 "watchdog yet (a stopped or very slow process)")
     details.append(f"[mpishard] Python stack of world rank {rank} on {host}, written by "
                    f"its own watchdog:\n{dump.strip()}\n")
-    return "on another host, in no call of the library: its watchdog wrote its stack"
+    return f"on another host, {_outside_library(dump)[3:]}: its watchdog wrote its stack"
 
 
-#: How :func:`_remote` names the watchdog's delay in its message.
+#: How `_remote` names the watchdog's delay in its message.
 _STACK_NOTE = "three quarters of the timeout"
 
 

@@ -2,7 +2,7 @@
 
 ``reduce_scatter`` or ``allreduce`` for ZeRO-2's buckets, flat or in two levels
 across nodes, reducing during the backward or after it: each is decided by
-:func:`time_alternatives`, one rule for all, so that every rank picks the same
+`time_alternatives`, one rule for all, so that every rank picks the same
 way and a transient slowdown of the machine hits every way alike.
 """
 
@@ -14,18 +14,24 @@ from typing import Any
 
 from .communicator import FlatComm
 
-__all__ = ["agree_on_fastest", "agree_on_faster", "reduce_once", "time_alternatives"]
+__all__ = ["agree_on_fastest", "agree_on_faster", "reduce_once", "time_alternatives",
+           "within_budget"]
 
 
 def time_alternatives(group: FlatComm, ways: dict[str, Callable[[], Any]],
-                      repeats: int) -> dict[str, float]:
+                      repeats: int, budget: float | None = None) -> dict[str, float]:
     """Seconds of each way: the slowest rank's best of ``repeats`` rounds.
 
     The rounds alternate the ways (each behind a barrier) after one warm-up round
     that is not counted, and the result is the maximum over ranks, so every rank
-    returns the same numbers. Collective over ``group``.
+    returns the same numbers. ``budget``: the seconds the rounds may take, the
+    warm-up's included; after each round the ranks agree on the time spent (the
+    slowest rank's) and all stop before a round that would pass it (the rounds
+    so far, on average, as the estimate). A way never timed then is ``inf``.
+    Collective over ``group``.
     """
     best = {way: float("inf") for way in ways}
+    started = time.perf_counter()
     for round_ in range(repeats + 1):
         for way, run in ways.items():
             group.barrier()
@@ -33,7 +39,19 @@ def time_alternatives(group: FlatComm, ways: dict[str, Callable[[], Any]],
             run()
             if round_:
                 best[way] = min(best[way], time.perf_counter() - t0)
+        if budget is not None and round_ < repeats and not within_budget(
+                group, started, budget, round_ + 1):
+            break
     return {way: group.allreduce_scalar(best[way], op="max") for way in ways}
+
+
+def within_budget(group: FlatComm, started: float, budget: float, rounds: int) -> bool:
+    """Whether one more of ``rounds`` alike rounds, begun at ``started``
+    (``time.perf_counter()``), fits in ``budget`` seconds: the same answer on
+    every rank, from the slowest rank's time so far. Collective over ``group``.
+    """
+    spent = group.allreduce_scalar(time.perf_counter() - started, op="max")
+    return spent * (rounds + 1) / rounds <= budget
 
 
 def agree_on_fastest(group: FlatComm, times: dict[str, Any], ways: tuple[str, ...],
@@ -64,8 +82,8 @@ def agree_on_faster(group: FlatComm, times: dict[str, Any], default: str,
     """``default``, or the alternative whose slowest time over ``group`` beats the
     slowest ``default`` by ``margin``; the same on every rank.
 
-    For :func:`mpishard.comm.hierarchical.choose` in a 3D layout, whose data
-    groups measure flat against two levels separately but must choose alike. A
+    For [`mpishard.comm.hierarchical.choose`][mpishard.comm.hierarchical.choose] in a 3D layout,
+    whose data groups measure flat against two levels separately but must choose alike. A
     rank that measured nothing (a stage without parameters) passes an empty
     ``times`` and does not count; an alternative is a candidate only where every
     rank that measured had it (the choice is made on every rank). Collective over
@@ -87,7 +105,8 @@ def reduce_once(comm: Any, kind: str, blocking: bool, buf: Any, recv: Any,
     """One gradient reduction of ``buf`` as the strategies make it, for timing:
     ``kind`` ``"allreduce"`` (in place) or ``"reduce_scatter"`` (into ``recv``, this
     rank's ``counts`` entry), blocking or non-blocking and waited for. ``comm`` is a
-    :class:`FlatComm` or anything with its buffer calls. Collective over ``comm``.
+    [`FlatComm`][mpishard.comm.FlatComm] or anything with its buffer calls. Collective over
+    ``comm``.
     """
     if kind == "allreduce":
         if blocking:

@@ -6,10 +6,10 @@ while holding the GIL: h5py releases it around dataset reads and writes, not
 there. A ``threading.Timer`` cannot fire then (measured: armed for 2 s around an
 ``mpio`` create that one rank entered 6 s late, it fired at 6.0 s, when the call
 returned). So the library never *enters* such a call before every rank has:
-:meth:`FlatComm.barrier <mpishard.comm.FlatComm.barrier>` under the timeout goes
+[`FlatComm.barrier`][mpishard.comm.FlatComm.barrier] under the timeout goes
 first and names a late rank. What is left (a rank that stops inside the call, a
-file system that does not answer) is caught by :func:`hdf5_deadline`, which arms
-the standard library's ``faulthandler``: its timer is a C thread that needs no
+file system that does not answer) is caught by [`hdf5_deadline`][mpishard.comm.hdf5_deadline], which
+arms the standard library's ``faulthandler``: its timer is a C thread that needs no
 GIL; past the deadline it prints ``Timeout (h:mm:ss)!`` and every thread's Python
 stack (the stack names the HDF5 call), and exits the process with status 1,
 whereupon ``mpirun``/``srun`` end the job. It makes no MPI call from another

@@ -91,8 +91,11 @@ OPTIONS: tuple[Option, ...] = (
            "gcd(batch, 24): fewer, larger units, faster", _G_PAR),
     Option("fault_tolerance", "str", "auto", "survive a lost rank in place: ulfm (an error "
            "where the job is not under Open MPI 5's mpirun --with-ft ulfm), off, or auto "
-           "(ulfm where available); ddp, zero2 and zero3 go on over the survivors, hybrid "
-           "layouts exit 75 for mpishard run to relaunch", _G_PAR, ("auto", "ulfm", "off")),
+           "(ulfm where available). ddp, zero2 and zero3 go on over the survivors; hybrid "
+           "with 2 or more data-parallel replicas drops each replica that lost a rank (its "
+           "other ranks exit 0) and goes on with the whole ones; hybrid with no whole "
+           "replica left exits 75 for mpishard run to relaunch", _G_PAR,
+           ("auto", "ulfm", "off")),
     Option("d_model", "int", 64, "GPT width", _G_MODEL),
     Option("heads", "int", 4, "GPT attention heads", _G_MODEL),
     Option("layers", "int", 2, "GPT transformer blocks", _G_MODEL),
@@ -119,6 +122,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("checkpoint_every", "int", 0, "also write a checkpoint every N steps (0: only "
            "at the end and when stopped by a signal)", _G_CKPT, metavar="N"),
     Option("keep", "int", 3, "checkpoints kept in the folder", _G_CKPT),
+    Option("async_checkpoints", "bool", True, "write checkpoints in the background: the "
+           "step waits only for a copy of the state (--no-async-checkpoints: the "
+           "synchronous save)", _G_CKPT),
     Option("resume", "resume", False, "continue from the latest checkpoint in the folder "
            "(or from FILE); with none there, start from scratch", _G_CKPT, metavar="FILE"),
     Option("progress", "bool", None, "a progress bar on rank 0 (default: when the output "
@@ -139,7 +145,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
 
 @dataclass
 class Settings:
-    """Everything one run needs, resolved (see :data:`OPTIONS` for each field)."""
+    """Everything one run needs, resolved (see `OPTIONS` for each field)."""
 
     run: str
     example: str
@@ -179,6 +185,7 @@ class Settings:
     checkpoint_dir: str | None
     checkpoint_every: int
     keep: int
+    async_checkpoints: bool
     resume: bool | str
     progress: bool | None
     log_every: int
@@ -195,7 +202,8 @@ class Settings:
 # --- the command line ------------------------------------------------------------
 
 class _Parser(argparse.ArgumentParser):
-    """Errors become :class:`UsageError` (one line, rank 0 only); help prints on rank 0."""
+    """Errors become [`UsageError`][mpishard.errors.UsageError] (one line, rank 0 only); help prints
+    on rank 0."""
 
     def error(self, message: str):   # noqa: D401 - argparse's API
         raise UsageError(f"{message} (see mpishard train --help)")
@@ -275,7 +283,7 @@ def _ints(text: str) -> list[int]:
 # --- the TOML file ---------------------------------------------------------------
 
 def load_toml(path: str) -> dict[str, Any]:
-    """The options in the TOML file ``path``, checked against :data:`OPTIONS`.
+    """The options in the TOML file ``path``, checked against `OPTIONS`.
 
     Tables group keys for readability and are flattened: ``[model] d_model = 64``
     is ``d_model = 64``.

@@ -26,7 +26,8 @@ def add_plan_parser(sub: Any) -> None:
     """Add ``plan`` to the subcommands ``sub`` of ``mpishard``."""
     parser = sub.add_parser("plan", help="predict step time, communication and memory of "
                                          "layouts (a cost model; no MPI)",
-                            description=__doc__.split("\n\n")[0])
+                            description="mpishard plan: print the cost model's predictions "
+                                        "(mpishard.costmodel).")
     parser.add_argument("--table", action="store_true",
                         help="the fastest fitting layout for 64 .. 4096 ranks")
     parser.add_argument("--worlds", default="64,128,256,512,1024,2048,4096")

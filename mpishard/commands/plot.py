@@ -111,10 +111,15 @@ def plot_metrics(paths: Sequence[str], output: str, *, log_scale: bool = True,
     return output
 
 
+#: The help's description: the docstring's first paragraph, as plain text.
+_DESCRIPTION = ("mpishard plot METRICS.jsonl... -o loss.png: the loss curves of training runs "
+                "as a PNG.")
+
+
 def add_plot_parser(sub: Any) -> None:
     """Add ``plot`` to the subcommands ``sub`` of ``mpishard``."""
     parser = sub.add_parser("plot", help="draw loss curves from metrics files as a PNG",
-                            description=__doc__.split("\n\n")[0])
+                            description=_DESCRIPTION)
     _arguments(parser)
     parser.set_defaults(func=_run)
 
@@ -143,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``mpishard plot`` on its own (``python -m mpishard.commands.plot``)."""
-    parser = argparse.ArgumentParser(prog="mpishard plot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="mpishard plot", description=_DESCRIPTION)
     _arguments(parser)
     return _run(parser.parse_args(argv))
 

@@ -1,7 +1,7 @@
 """``mpishard train``: build each run's data, model and strategy, train it, summarise.
 
 Started on every rank (``mpirun -n N mpishard train ...`` or ``srun``). The
-settings (:mod:`mpishard.commands.config`) are parsed identically on every
+settings (`mpishard.commands.config`) are parsed identically on every
 rank, so bad input is found everywhere at once; a check whose outcome can
 differ between ranks (a file that one node does not see) is agreed on first.
 Either way every rank returns exit code 2 and only rank 0 prints one line.
@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,7 @@ _VALIDATION_BURGERS = 1024  # held-out solutions
 
 @dataclass
 class Run:
-    """One run, set up: what :func:`_train` needs and what the summary says."""
+    """One run, set up: what `_train` needs and what the summary says."""
 
     settings: Settings
     config: Any
@@ -53,13 +54,14 @@ class Run:
     description: list[str]
     manager: Any = None
     resumed_from: str | None = None
+    resume_notes: list[str] = field(default_factory=list)   # said once, under the header
     closers: list[Callable[[], None]] = field(default_factory=list)
 
 
 def add_train_parser(sub: Any) -> None:
     """Add ``train`` to the subcommands ``sub`` of ``mpishard``.
 
-    ``mpishard.cli.main`` hands ``train ARGV`` to :func:`main` before its own
+    ``mpishard.cli.main`` hands ``train ARGV`` to `main` before its own
     parser sees it, so that a bad flag is one line on rank 0 (argparse would
     print the usage on every rank); this entry serves ``mpishard --help``.
     """
@@ -123,7 +125,8 @@ def run_given(given: dict[str, Any]) -> int:
 
 def _ended(comm: FlatComm, code: int, lost: bool) -> int:
     """``code``, or after a lost rank the end of the process with it (no
-    ``MPI_Finalize``, which may wait for the dead rank: :func:`mpishard.comm.ulfm.leave`)."""
+    ``MPI_Finalize``, which may wait for the dead rank:
+    [`mpishard.comm.ulfm.leave`][mpishard.comm.ulfm.leave])."""
     if lost:
         from ..comm import ulfm
 
@@ -142,7 +145,7 @@ def _agreed(comm: FlatComm, what: str, fn: Callable[[], Any],
             errors: tuple[type[BaseException], ...], fix: str = "",
             fix_for: tuple[type[BaseException], ...] | None = None) -> Any:
     """``fn()`` on every rank; if it raised ``errors`` on any rank, a
-    :class:`UsageError` with the lowest such rank's message on every rank.
+    [`UsageError`][mpishard.errors.UsageError] with the lowest such rank's message on every rank.
     ``fix`` is appended to the message (only for ``fix_for`` errors, if given).
     Collective over ``comm``."""
     value, message = None, None
@@ -181,6 +184,7 @@ def _setup(s: Settings, comm: FlatComm) -> Run:
 def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Run:
     from ..config import ShardingConfiguration
     from ..errors import MpiShardError
+    from ..parallel.overlap import describe_attach
     from ..parallel.repro import unit_rows_for
 
     dtype = np.dtype(s.dtype)
@@ -231,6 +235,7 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
         f"{layout}{where}{repro}; global batch "
         f"{s.batch_size}, {s.epochs} epochs = {steps} steps, "
         f"{s.optimizer} lr {s.lr:g}, cosine schedule",
+        describe_attach(strategy.core),   # rank 0's attach: its time, the overlap decision
     ]
     run = Run(s, config, model, strategy, data, validation, description, closers=closers)
     _checkpoints(run, comm)
@@ -353,12 +358,13 @@ def _logical_parameters(config: Any, model: Any) -> int:
 def _checkpoints(run: Run, comm: FlatComm) -> None:
     """The run's checkpoint folder, and the resume from it. Collective over ``comm``."""
     from ..checkpoint import CheckpointManager, list_checkpoints, load_checkpoint
-    from ..errors import CheckpointError
+    from ..errors import CheckpointError, CheckpointWarning
 
     s = run.settings
     explicit = s.checkpoint_dir is not None
     folder = s.checkpoint_dir if explicit else os.path.join(s.run_dir, "checkpoints")
-    run.manager = manager = CheckpointManager(folder, keep=s.keep)
+    run.manager = manager = CheckpointManager(folder, keep=s.keep,
+                                              async_=s.async_checkpoints)
     path = None
     if s.resume is True:
         path = comm.bcast(manager.latest() if comm.rank == 0 else None, root=0)
@@ -383,8 +389,15 @@ def _checkpoints(run: Run, comm: FlatComm) -> None:
         return
     fix = ("; resume with the settings of the run that wrote it (model sizes, --dtype, "
            "--optimizer, --samples), or start afresh with another --checkpoint-dir")
-    info = _agreed(comm, "--resume", lambda: load_checkpoint(path, run.model, run.strategy),
-                   (CheckpointError, FileNotFoundError, OSError), fix)
+
+    def load() -> Any:
+        # What differs from the file is said under the run's header (_resume_notes),
+        # one line each, not as a warning with its source line.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointWarning)
+            return load_checkpoint(path, run.model, run.strategy)
+
+    info = _agreed(comm, "--resume", load, (CheckpointError, FileNotFoundError, OSError), fix)
     data = info.data or {}
     n = len(run.data) if isinstance(run.data, Dataset) else len(run.data[0])
     if data.get("batch_size", s.batch_size) != s.batch_size:
@@ -395,6 +408,28 @@ def _checkpoints(run: Run, comm: FlatComm) -> None:
         raise UsageError(f"--resume: {path} was written for {data['num_samples']} samples, "
                          f"this run has {n}{fix}")
     run.resumed_from = path
+    run.resume_notes = _resume_notes(run, info)
+
+
+def _resume_notes(run: Run, info: Any) -> list[str]:
+    """What this run takes from its own settings rather than from the checkpoint
+    it resumes, one line each. The learning-rate schedule is the one --epochs
+    plans (a longer run decays over its new length; keeping the file's would
+    train the added steps at its final rate, 0): its line says the jump."""
+    from ..checkpoint.compare import schedule_text
+
+    s, strategy = run.settings, run.strategy
+    mine = strategy.schedule.to_dict()
+    notes = [f"kept from this run, not the checkpoint: "
+             f"{note.replace(' in the strategy', ' in this run')}" for note in info.notes
+             if not note.startswith("schedule")]
+    if info.schedule is not None and info.schedule != mine:
+        before = "?" if info.lr is None else f"{info.lr:.3g}"
+        notes.append(f"learning-rate schedule: this run's --epochs {s.epochs} plans "
+                     f"{schedule_text(mine)}; the checkpoint's was "
+                     f"{schedule_text(info.schedule)}: the learning rate goes from "
+                     f"{before} to {strategy.current_lr():.3g} at step {strategy.step_count}")
+    return notes
 
 
 # --- training and the summary -------------------------------------------------------------
@@ -420,6 +455,8 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
         if run.resumed_from:
             print(f"   resumed from {run.resumed_from} at step {run.strategy.step_count}",
                   flush=True)
+        for note in run.resume_notes:
+            print(f"   {note}", flush=True)
     start_val = evaluate(run.model, *run.validation) if run.validation is not None else None
     progress = s.progress if s.progress is not None else (rank0 and interactive_output())
     topo = run.config.topology

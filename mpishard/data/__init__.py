@@ -1,14 +1,16 @@
 """Training data: the resumable sampler, in-memory and streaming datasets, and
 rows that stay on the ranks that made them.
 
-* :mod:`~mpishard.data.sampler`: global batches of a shuffled epoch that do not
+* `mpishard.data.sampler`: global batches of a shuffled epoch that do not
   depend on the number of ranks; the data position; the growth rule.
-* :class:`ArrayDataset` (arrays every rank holds), :class:`StreamingDataset`
-  (one that grows by :meth:`~StreamingDataset.append`).
-* :class:`LocalDataset`: the union of the rows each rank holds, each batch's
+* [`ArrayDataset`][mpishard.data.ArrayDataset] (arrays every rank holds),
+  [`StreamingDataset`][mpishard.data.StreamingDataset] (one that grows by
+  [`append`][mpishard.data.StreamingDataset.append]).
+* [`LocalDataset`][mpishard.data.LocalDataset]: the union of the rows each rank holds, each batch's
   rows moved by ``Alltoallv`` as it needs them.
-* :class:`HDF5Dataset`: samples in an HDF5 file, each rank reading only its rows.
-* :class:`BatchStream`: global batches as they arrive (a simulation's
+* [`HDF5Dataset`][mpishard.data.hdf5.HDF5Dataset]: samples in an HDF5 file, each rank reading only
+  its rows.
+* [`BatchStream`][mpishard.data.BatchStream]: global batches as they arrive (a simulation's
   snapshots), one optimizer step each, until the iterator ends.
 """
 

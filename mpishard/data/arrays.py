@@ -19,10 +19,18 @@ class ArrayDataset:
     buffers (``numpy.take`` with ``out=``), so the step loop allocates nothing.
     ``x`` and ``y`` may also be h5py datasets (anything with ``len``, ``shape``,
     ``dtype`` and indexing by a sorted index array): each step then reads only
-    its rows.
+    its rows. An array-like without ``shape`` and ``dtype`` (a list of numbers
+    or of rows of numbers, a tuple) is converted once, here, with
+    ``numpy.asarray`` (a copy on the host; floating-point values are cast to
+    the model's dtype as each batch is copied, as for arrays).
+
+    Raises:
+        ValueError: the inputs and targets differ in length; an array-like that
+            does not convert to an array of numbers (ragged rows, strings).
     """
 
     def __init__(self, x: Any, y: Any) -> None:
+        x, y = _as_rows(x, "inputs"), _as_rows(y, "targets")
         if len(x) != len(y):
             raise ValueError(f"inputs have {len(x)} samples but targets have {len(y)}")
         self.x = x
@@ -47,7 +55,7 @@ class ArrayDataset:
 
         Device data and a device model: the rows are gathered on the GPU (the
         indices are copied up once); host data and a device model: gathered on
-        the host into pinned memory and copied up once (:mod:`~mpishard.data.transfer`).
+        the host into pinned memory and copied up once (`mpishard.data.transfer`).
         """
         mover = self._mover()
         xp = array_namespace(x_out)
@@ -66,10 +74,11 @@ class ArrayDataset:
 
 
 class StreamingDataset(ArrayDataset):
-    """An :class:`ArrayDataset` that grows: :meth:`append` adds samples at the end
-    (samples a running simulation sends, say) while earlier ones stay where they are.
+    """An [`ArrayDataset`][mpishard.data.ArrayDataset] that grows:
+    [`append`][mpishard.data.StreamingDataset.append] adds samples at the end (samples a running
+    simulation sends, say) while earlier ones stay where they are.
 
-    Training on it follows the growth rule of :mod:`mpishard.data.sampler`: each
+    Training on it follows the growth rule of `mpishard.data.sampler`: each
     epoch covers the samples present when it starts, so ``optimize(model, data,
     epochs=e + 1, ...)`` after the ``e``-th batch of new samples trains one more
     epoch over everything received so far. Every rank must append the same
@@ -116,6 +125,26 @@ class StreamingDataset(ArrayDataset):
         self._ys[self._n:need] = y
         self._n = need
         self.x, self.y = self._xs[:need], self._ys[:need]
+
+
+def _as_rows(a: Any, what: str) -> Any:
+    """``a`` itself when it has ``shape`` and ``dtype`` (an array of any library,
+    an h5py dataset); else ``numpy.asarray(a)``, which must hold numbers in at
+    least one dimension."""
+    if hasattr(a, "shape") and hasattr(a, "dtype"):
+        return a
+    accepted = ("expecting an array, an h5py dataset, or a list of numbers or of equal "
+                "rows of numbers")
+    try:
+        out = np.asarray(a)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what}: {accepted}; the {type(a).__name__} given does not "
+                         f"convert to an array: {exc}") from None
+    if out.dtype.kind not in "biuf" or out.ndim == 0:
+        raise ValueError(f"{what}: {accepted}; the {type(a).__name__} given converts to "
+                         f"an array of dtype {out.dtype} and shape {out.shape}, not "
+                         f"numbers in rows")
+    return out
 
 
 def _grown(a: np.ndarray, rows: int) -> np.ndarray:

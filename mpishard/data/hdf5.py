@@ -11,15 +11,15 @@ given communicator (reads are independent: ranks need different rows at
 different moments); otherwise every rank opens it with the default driver.
 
 The ranks that open the file are named explicitly (``comm=``: the
-:class:`~mpishard.ShardingConfiguration` the data trains under, one of its
+[`ShardingConfiguration`][mpishard.config.ShardingConfiguration] the data trains under, one of its
 groups, or an mpi4py communicator): in a job whose other ranks do other work (a
 simulation), a collective open over ``MPI.COMM_WORLD`` would wait for ranks that
 never come. Only a job of one process may leave it out. The dataset works on
 its own duplicate of those ranks' communicator (freed by ``close``). With a
 configuration the collective open and close wait under its file-I/O deadline
-(``io_timeout=``, :mod:`mpishard.comm.deadlines`). A dataset still open when
+(``io_timeout=``, [`mpishard.comm.deadlines`][mpishard.comm.deadlines]). A dataset still open when
 the process exits is closed then (collectively, in the order the datasets were
-opened, before MPI ends), so a forgotten :meth:`~HDF5Dataset.close` costs no
+opened, before MPI ends), so a forgotten [`close`][mpishard.data.hdf5.HDF5Dataset.close] costs no
 error at exit, even after the configuration was freed.
 
 Inputs and targets:
@@ -69,16 +69,17 @@ class HDF5Dataset:
         targets: path of the targets dataset, or None for the next-row rule
             (see the module docstring).
         comm: the ranks that open the file together: the
-            :class:`~mpishard.ShardingConfiguration` training uses (its ranks,
-            ``config.world``; its file-I/O deadline then covers opening and
+            [`ShardingConfiguration`][mpishard.config.ShardingConfiguration] training uses (its
+            ranks, ``config.world``; its file-I/O deadline then covers opening and
             closing), one of its groups, or an mpi4py communicator (untimed).
             Required unless the job is one process.
         driver: ``"auto"`` (``mpio`` when h5py has MPI and ``comm`` has more
             than one rank), ``"mpio"`` or ``"serial"``.
 
-    Opening and :meth:`close` are collective over ``comm``; :meth:`gather` and
-    :meth:`read` are not (each rank reads its own rows). ``rows_read`` counts
-    the rows this rank has read from each dataset.
+    Opening and [`close`][mpishard.data.hdf5.HDF5Dataset.close] are collective over ``comm``;
+    [`gather`][mpishard.data.hdf5.HDF5Dataset.gather] and
+    [`read`][mpishard.data.hdf5.HDF5Dataset.read] are not (each rank reads its own rows).
+    ``rows_read`` counts the rows this rank has read from each dataset.
 
     Raises (on every rank, whichever rank found the problem):
         TypeError: no ``comm`` in a job of several processes (on each rank).
@@ -264,7 +265,7 @@ class HDF5Dataset:
 
 
 def _ranks(comm: Any) -> FlatComm:
-    """The group that opens the file: ``comm`` as a :class:`FlatComm` (a
+    """The group that opens the file: ``comm`` as a [`FlatComm`][mpishard.comm.FlatComm] (a
     configuration's ``world``). Local.
 
     Raises:

@@ -55,10 +55,10 @@ class LocalDataset:
             rank), the blocks may come in any order but must tile
             ``[0, total)`` without gap or overlap.
 
-    Construction is collective over ``config.world``; :meth:`gather_batch` over
-    ``config.groups.dp``. ``len()`` is the size of the union. ``rows_sent`` and
-    ``rows_received`` count the rows this rank sent to and received from
-    other ranks.
+    Construction is collective over ``config.world``;
+    [`gather_batch`][mpishard.data.LocalDataset.gather_batch] over ``config.groups.dp``. ``len()``
+    is the size of the union. ``rows_sent`` and ``rows_received`` count the rows this rank sent to
+    and received from other ranks.
 
     Raises (on every rank):
         ValueError: inputs and targets of different lengths; row shapes or

@@ -93,7 +93,8 @@ class ShardedSampler:
         drop_last: ``True`` (the default) drops the last incomplete batch of an
             epoch, so every step sees a full global batch and the loss is the mean
             over exactly ``batch_size`` samples; ``False`` makes it a last, short
-            batch (:meth:`current_batch_size` says how long).
+            batch ([`current_batch_size`][mpishard.data.ShardedSampler.current_batch_size] says how
+            long).
     """
 
     def __init__(self, num_samples: int, batch_size: int, seed: int = 0,
@@ -181,7 +182,7 @@ class ShardedSampler:
         size (an elastic resize under ``scale-lr``) neither repeats nor skips a
         sample of the epoch. ``seed``, ``shuffle`` and ``num_samples`` (the data's
         size now) stand in for keys the position lacks (an older or hand-made
-        one); a larger ``num_samples`` is growth (:meth:`grow`).
+        one); a larger ``num_samples`` is growth ([`grow`][mpishard.data.ShardedSampler.grow]).
 
         Raises:
             ValueError: ``num_samples`` is smaller than the position's epoch covers.

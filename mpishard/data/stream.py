@@ -33,7 +33,7 @@ caller's part.
 **Waiting for the data.** That exchange completes once the slowest rank's
 iterator has yielded its batch: its wait is one for data, under
 ``ShardingConfiguration(data_timeout=...)`` (by default the ``timeout``), not
-the deadline of the other collectives; see :mod:`mpishard.comm.deadlines`.
+the deadline of the other collectives; see [`mpishard.comm.deadlines`][mpishard.comm.deadlines].
 
 **Reading.** A batch is read when its step is about to run, never ahead, so a
 stop (``max_steps``, a signal, the callback) leaves the next batch in the
@@ -45,7 +45,7 @@ so an iterator may yield views of one receive buffer that it refills each time.
 read: trained on, or refused) and ``samples_consumed`` (the rows trained on),
 and a checkpoint stores both. A batch that is refused (the ``ValueError``s
 above, an iterator that raises) was read from the iterator, so it counts:
-after the error the position and :attr:`BatchStream.index` are one past it on
+after the error the position and `BatchStream.index` are one past it on
 every rank, and ``BatchStream(batches)`` or ``BatchStream(batches, first=k + 1)``
 goes on with the batch after the refused batch ``k``.
 
@@ -176,7 +176,7 @@ class BatchStream:
 
         Raises:
             ValueError: on every rank: see the module docstring. The batch was
-                read: :attr:`index` is past it.
+                read: `index` is past it.
         """
         x = y = None
         problem = None

@@ -2,7 +2,7 @@
 
 The training loop makes its batch buffers once, on the model's device, and each
 step a dataset fills their first rows with the rows the sampler chose. Four
-cases, one object (:class:`RowMover`, one per dataset) that keeps what they
+cases, one object (`RowMover`, one per dataset) that keeps what they
 reuse:
 
 * data and model on the host: ``numpy.take`` into the buffer (it casts; nothing
@@ -73,7 +73,7 @@ class RowMover:
              key: str = "rows") -> None:
         """``out[:] = a[indices]`` (cast to ``out``'s dtype), for ``a`` a NumPy or
         CuPy array or an h5py dataset and ``out`` a NumPy or CuPy array.
-        ``device_indices``: :meth:`indices` of the same ``indices`` (to copy them
+        ``device_indices``: `indices` of the same ``indices`` (to copy them
         once for inputs and targets); ``key`` names the staging buffer."""
         if len(indices) == 0:
             return

@@ -7,7 +7,7 @@ sorted order; the private ones include machine-generated files such as
 ``_sysconfigdata_*.py``), cut at a fixed number of characters. For a given
 Python version the text, and so the dataset, is the same on every machine.
 
-Characters map to a fixed vocabulary of :data:`VOCAB_SIZE` ids, independent of
+Characters map to a fixed vocabulary of `VOCAB_SIZE` ids, independent of
 the text: ``0`` is newline, ``1 .. 95`` printable ASCII (space to ``~``), and
 ``96`` any other character (tabs, non-ASCII). A language model's samples are
 windows of ``seq_len + 1`` characters: the input is the first ``seq_len``, the

@@ -3,7 +3,8 @@
 Every kernel here has a NumPy twin (the reference, and the fallback) and, where it
 pays, a fused version: a Numba JIT on the CPU, a CuPy kernel on the GPU. The layers,
 optimizers and strategies call the function; they never choose a backend themselves.
-Which implementation runs is :mod:`mpishard.kernels.select`'s decision. Pure: no MPI.
+Which implementation runs is [`mpishard.kernels.select`][mpishard.kernels.select]'s decision. Pure:
+no MPI.
 """
 
 from .optim import adam_update, adam_update_numpy, sgd_update, sgd_update_numpy

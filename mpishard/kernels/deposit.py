@@ -1,26 +1,26 @@
 """The binned sums of reproducible mode as fused kernels: one pass over the data each.
 
-:mod:`mpishard.reprosum` defines the arithmetic (chunks of 128 elements,
+[`mpishard.reprosum`][mpishard.reprosum] defines the arithmetic (chunks of 128 elements,
 absolute bins of ``W`` bits, ``K`` integer words per element, the error bound)
 and holds the NumPy twin of every kernel here: about ten array passes per
 deposit. The fused versions do the same integer arithmetic chunk by chunk, the
 chunk staying in the cache (in registers on a GPU): a Numba JIT on the CPU,
 CuPy ``RawKernel`` s on a GPU (a thread block per chunk, a thread per element:
-:mod:`mpishard.kernels.deposit_cuda`).
+`mpishard.kernels.deposit_cuda`).
 Each gives its twin's bits, ``tests/unit/test_kernels_deposit.py`` checks it on
 values over the whole float range (signed zeros, subnormals, 1e305, NaN).
 
-* :func:`deposit`: add one vector to a :class:`~mpishard.reprosum.BinnedAccumulator`
+* `deposit`: add one vector to a [`BinnedAccumulator`][mpishard.reprosum.BinnedAccumulator]
   (its words stay in memory between deposits: many units on one rank).
-* :func:`to_float`: the accumulator's words back to floating point.
-* :func:`exact_sum`: the same binned sum of the rows of a matrix (a few units'
+* `to_float`: the accumulator's words back to floating point.
+* `exact_sum`: the same binned sum of the rows of a matrix (a few units'
   gradients side by side) written straight to floating point: the words live
   only in the cache, so each value is read once and the result written once.
-* :func:`square_words`: the words of a sum of squares at an agreed bin (a
-  gradient norm); :func:`max_magnitude`.
+* `square_words`: the words of a sum of squares at an agreed bin (a
+  gradient norm); `max_magnitude`.
 
-Which version runs is :func:`mpishard.kernels.select.fused_on`'s choice. The
-Numba kernels compile at their first call (cached on disk); the CuPy ones at
+Which version runs is [`mpishard.kernels.select.fused_on`][mpishard.kernels.select.fused_on]'s
+choice. The Numba kernels compile at their first call (cached on disk); the CuPy ones at
 theirs. Pure: no MPI.
 """
 
@@ -44,7 +44,7 @@ from ..reprosum import (
     words_for,
 )
 from . import deposit_cuda
-from .select import fused_on
+from .select import fused_on, import_numba
 
 __all__ = ["deposit", "deposit_rows", "exact_sum", "max_magnitude", "square_words",
            "to_float"]
@@ -84,7 +84,7 @@ def deposit(acc: BinnedAccumulator, x: Any) -> bool:
 
 def deposit_rows(acc: BinnedAccumulator, rows: Any) -> int:
     """Deposit every row of ``rows`` (``(R, acc.size)``) into ``acc``: the bits of
-    :func:`deposit` row after row, but each chunk's words are read and written
+    `deposit` row after row, but each chunk's words are read and written
     once for all the rows. Returns -1, or the first row holding a non-finite
     value (that row and the later ones are not deposited). Local.
 
@@ -131,7 +131,7 @@ def to_float(acc: BinnedAccumulator, out: Any, start: int = 0, stop: int | None 
 def exact_sum(grid: ChunkGrid, rows: Any, out: Any, lo: int = 0, hi: int | None = None) -> int:
     """The binned sum of the rows of ``rows`` (``(R, grid.size)``, chunked as
     ``grid`` says), its elements ``[lo, hi)`` written into ``out``: the bits of
-    depositing every row into a :class:`~mpishard.reprosum.BinnedAccumulator`
+    depositing every row into a [`BinnedAccumulator`][mpishard.reprosum.BinnedAccumulator]
     and converting (the twin does just that), in one pass that keeps a chunk's
     words in the cache and never writes them to memory. Returns -1, or the first
     row holding a non-finite value (``out`` is then unspecified). Local.
@@ -151,8 +151,8 @@ def exact_sum(grid: ChunkGrid, rows: Any, out: Any, lo: int = 0, hi: int | None 
 
 def square_words(x: Any, top_bin: int, scratch: Any, slices: Any) -> list[float]:
     """``fixed_bin_sum(x, top_bin, scratch, slices, square=True)``: the words of
-    ``sum(x**2)`` at bin ``top_bin`` (:data:`~mpishard.reprosum.NORM_WORDS` of
-    :data:`~mpishard.reprosum.NORM_WORD_BITS` bits), in one pass. Local."""
+    ``sum(x**2)`` at bin ``top_bin`` (`NORM_WORDS` of
+    `NORM_WORD_BITS` bits), in one pass. Local."""
     xp = array_namespace(x)
     if top_bin == EMPTY_BIN or not fused_on(xp) or x.size == 0:
         return fixed_bin_sum(x, top_bin, scratch, slices, square=True)
@@ -188,7 +188,7 @@ def _deposit_rows_twin(acc: BinnedAccumulator, rows: Any) -> int:
 
 
 def _exact_sum_twin(grid: ChunkGrid, rows: Any, out: Any, lo: int, hi: int) -> int:
-    """Deposit every row, convert: the definition of :func:`exact_sum` (its
+    """Deposit every row, convert: the definition of `exact_sum` (its
     accumulator is made once per grid, dtype and array library)."""
     xp = array_namespace(rows)
     key = (np.dtype(rows.dtype).str, xp.__name__)
@@ -227,8 +227,7 @@ def _numba() -> Any:
 
 
 def _build_numba() -> SimpleNamespace:
-    import numba
-
+    numba = import_numba()
     jit = numba.njit(cache=True, nogil=True)
     # Helpers are inlined into the kernels: no array views or calls per chunk.
     inline = numba.njit(cache=True, nogil=True, inline="always")
@@ -508,6 +507,6 @@ def _numba_squares(jit: Any, h: SimpleNamespace) -> SimpleNamespace:
 
 
 def _cuda() -> Any:
-    """The CUDA kernels (:mod:`mpishard.kernels.deposit_cuda`; compiled by CuPy at
+    """The CUDA kernels (`mpishard.kernels.deposit_cuda`; compiled by CuPy at
     their first launch)."""
     return deposit_cuda

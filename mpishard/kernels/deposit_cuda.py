@@ -1,6 +1,6 @@
-"""The binned sums of :mod:`mpishard.kernels.deposit` as CUDA kernels, for CuPy arrays.
+"""The binned sums of `mpishard.kernels.deposit` as CUDA kernels, for CuPy arrays.
 
-One thread block per chunk of :data:`~mpishard.reprosum.CHUNK` elements, one
+One thread block per chunk of `CHUNK` elements, one
 thread per element: a block finds its chunk's largest magnitude (the integer
 maximum of the values' bits, over every row), then each thread slices its
 element of every row at the chunk's bin and adds the ``K`` slices in registers
@@ -12,8 +12,8 @@ round as NumPy's), so the words, bins and results are the twin's bits.
 ``tests/unit/test_kernels_deposit.py``'s ``gpu`` test compares them with the twin
 on a device (passed on an NVIDIA H100); ``tests/unit/test_kernels_deposit_emulated.py``
 runs this source on the CPU (threads for a block's threads) against the twin.
-Reached where :func:`mpishard.kernels.select.fused_on` says so for CuPy arrays
-(by default; ``MPISHARD_GPU_KERNELS=0`` turns them off). Pure: no MPI; CuPy is
+Reached where [`mpishard.kernels.select.fused_on`][mpishard.kernels.select.fused_on] says so for
+CuPy arrays (by default; ``MPISHARD_GPU_KERNELS=0`` turns them off). Pure: no MPI; CuPy is
 never imported here, its arrays bring their module.
 """
 
@@ -36,9 +36,9 @@ from ..reprosum import (
 __all__ = ["SOURCE", "deposit", "deposit_rows", "exact_sum", "kernel_source", "square_words",
            "to_float"]
 
-#: Threads of a block of :func:`square_words`.
+#: Threads of a block of `square_words`.
 _SQUARE_THREADS = 256
-#: The most blocks :func:`square_words` launches (each thread takes every
+#: The most blocks `square_words` launches (each thread takes every
 #: ``blocks * threads``-th element).
 _SQUARE_BLOCKS = 1024
 
@@ -272,7 +272,7 @@ _KERNELS: dict[tuple[int, str, str], Any] = {}
 
 
 def kernel_source(dtype: Any) -> str:
-    """:data:`SOURCE` for float ``dtype`` (float32 or float64)."""
+    """`SOURCE` for float ``dtype`` (float32 or float64)."""
     ctype, shift, inf, unit = _TYPES[np.dtype(dtype).name]
     return (SOURCE.replace("__TYPE__", ctype).replace("__SHIFT__", str(shift))
             .replace("__INF__", str(inf)).replace("__UNIT__", str(unit)))
@@ -331,7 +331,7 @@ def deposit_rows(acc: BinnedAccumulator, rows: Any) -> bool:
 
 
 def deposit(acc: BinnedAccumulator, source: Any) -> bool:
-    """Deposit one vector (:func:`deposit_rows` of one row)."""
+    """Deposit one vector (`deposit_rows` of one row)."""
     return deposit_rows(acc, source.reshape(1, -1))
 
 
@@ -374,7 +374,7 @@ def exact_sum(grid: ChunkGrid, rows: Any, out: Any, lo: int, hi: int, k: int) ->
 
 
 def square_words(x: Any, top_bin: int) -> list[float]:
-    """The :data:`~mpishard.reprosum.NORM_WORDS` words of ``sum(x**2)`` at bin
+    """The `NORM_WORDS` words of ``sum(x**2)`` at bin
     ``top_bin`` (not empty), as ``fixed_bin_sum(..., square=True)`` gives them."""
     xp = array_namespace(x)
     flat = xp.ascontiguousarray(x.reshape(-1))

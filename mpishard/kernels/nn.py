@@ -7,17 +7,17 @@ unless the fused kernels are on, for CuPy); its fused version is one CUDA
 kernel per pass over the data, written for CuPy (``ElementwiseKernel`` for the
 elementwise maps, ``RawKernel`` with one thread block per row for the row
 reductions), compiled at its first call and cached (in the process, and by
-CuPy on disk). Which runs is :func:`mpishard.kernels.select.fused_on`'s choice
-for the array's library: the CuPy kernels are on by default since they passed
-their ``gpu`` tests on an H100 (tests/unit/test_kernels_nn.py);
-``MPISHARD_GPU_KERNELS=0`` turns them off.
+CuPy on disk). Which runs is
+[`mpishard.kernels.select.fused_on`][mpishard.kernels.select.fused_on]'s choice for the array's
+library: the CuPy kernels are on by default since they passed their ``gpu`` tests on an H100
+(tests/unit/test_kernels_nn.py); ``MPISHARD_GPU_KERNELS=0`` turns them off.
 
 The fused versions need C-contiguous arrays (the layers' own buffers are);
 given others they fall back to the twin. The matrix products around them stay
 cuBLAS calls. The row kernels are compiled with ``--fmad=false``: no multiply
 and add contracted into one rounding the twin does not make.
 
-:func:`scatter_add_rows` is not a choice: on CuPy arrays it is always its
+`scatter_add_rows` is not a choice: on CuPy arrays it is always its
 kernel, since ``cupyx.scatter_add`` adds repeated ids with atomics, in an order
 that changes from run to run (the embedding's gradient, and with it the bits of
 reproducible mode, changed between two runs on an H100). Pure: no MPI.
@@ -46,7 +46,7 @@ __all__ = [
     "softmax_cross_entropy",
 ]
 
-#: The activations :func:`bias_activation` knows.
+#: The activations `bias_activation` knows.
 ACTIVATIONS = ("relu", "gelu", "tanh")
 
 # GELU, tanh approximation: y = 0.5 h (1 + tanh(C (h + A h^3))).
@@ -66,7 +66,7 @@ def _contiguous(*arrays: Any) -> bool:
 # --- bias + activation ---------------------------------------------------------------
 
 def bias_activation(kind: str, x: Any, bias: Any, y: Any, scratch: dict[str, Any]) -> Any:
-    """``y = act(x + bias)`` for ``kind`` in :data:`ACTIVATIONS`; ``bias`` (one
+    """``y = act(x + bias)`` for ``kind`` in `ACTIVATIONS`; ``bias`` (one
     value per column) may be None. ``x`` may be left holding ``x + bias``
     (GELU's backward reads it). ``scratch``: the twin's buffers of ``x``'s
     shape (``"t"``, ``"s"`` for GELU; ``t`` keeps ``tanh(u)`` for the backward).
@@ -173,7 +173,7 @@ def layer_norm_forward(x: Any, weight: Any, bias: Any, eps: float, y: Any, xhat:
 
 def layer_norm_backward(dy: Any, weight: Any, xhat: Any, rstd: Any, g: Any, m1: Any,
                         m2: Any) -> Any:
-    """The input gradient of :func:`layer_norm_forward`, in place in ``dy``:
+    """The input gradient of `layer_norm_forward`, in place in ``dy``:
     ``rstd * (g - mean(g) - xhat * mean(g * xhat))`` with ``g = dy * weight``
     (row means). ``g``, ``m1``, ``m2`` (``(rows, 1)``) are the twin's scratch.
     Returns ``dy``. Local."""

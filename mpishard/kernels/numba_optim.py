@@ -1,6 +1,6 @@
 """The optimizers' updates as Numba loops: one pass over the vectors, on the CPU.
 
-Imported only by :mod:`mpishard.kernels.optim`, and only when a fused update
+Imported only by [`mpishard.kernels.optim`][mpishard.kernels.optim], and only when a fused update
 runs on NumPy arrays (so ``import mpishard`` never imports Numba). Each loop
 does, per element, the operations of its NumPy twin in the twin's order and in
 the arrays' precision (the scalars arrive already cast to the arrays' dtype):
@@ -17,8 +17,11 @@ per dtype and array layout; loading it back takes 0.15 s).
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from .select import import_numba
+
+numba = import_numba()   # without Numba's colorama: no ESC[0m on stdout at exit
 
 __all__ = ["adam", "sgd", "sgd_plain"]
 
@@ -33,7 +36,8 @@ def _jit(fn):
 @_jit
 def adam(p, g, m, v, b1, b2, c1, c2, eps_hat, step_size, decay, l2, scale,
          use_l2):  # pragma: no cover - compiled
-    """Adam/AdamW on ``p, m, v`` in place; see :func:`mpishard.kernels.optim.adam_update`."""
+    """Adam/AdamW on ``p, m, v`` in place; see
+    [`mpishard.kernels.optim.adam_update`][mpishard.kernels.optim.adam_update]."""
     for i in range(p.shape[0]):
         pi = p[i] * decay            # AdamW's decay (decay == 1 is exact otherwise)
         gi = g[i]
@@ -55,7 +59,8 @@ def adam(p, g, m, v, b1, b2, c1, c2, eps_hat, step_size, decay, l2, scale,
 @_jit
 def sgd(p, g, buf, lr, scale, wd, mom, use_wd, has_buf, first,
         nesterov):  # pragma: no cover - compiled
-    """SGD with weight decay and/or momentum; see :func:`mpishard.kernels.optim.sgd_update`.
+    """SGD with weight decay and/or momentum; see
+    [`mpishard.kernels.optim.sgd_update`][mpishard.kernels.optim.sgd_update].
 
     Without momentum ``buf`` is any array (never read or written).
     """

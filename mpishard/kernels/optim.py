@@ -1,16 +1,17 @@
 """The optimizers' updates over a flat range: Adam/AdamW and SGD, each one function.
 
-:func:`adam_update` and :func:`sgd_update` update the parameters (and state) of
-a flat vector, or of a ZeRO shard of one, in place. Each runs, as
-:func:`~mpishard.kernels.select.fused_on` decides, either
+[`adam_update`][mpishard.kernels.optim.adam_update] and
+[`sgd_update`][mpishard.kernels.optim.sgd_update] update the parameters (and state) of a flat
+vector, or of a ZeRO shard of one, in place. Each runs, as
+[`fused_on`][mpishard.kernels.select.fused_on] decides, either
 
 * **fused**: one pass over the vectors, reading each input and writing each
   output once (Numba on NumPy arrays, a ``cupy.ElementwiseKernel`` on CuPy
   arrays); or
-* **the NumPy twin** (:func:`adam_update_numpy`, :func:`sgd_update_numpy`): a
-  dozen in-place array operations per cache-sized chunk, through ``xp``, so
-  it runs on NumPy and CuPy alike. It is the reference, and the fallback where
-  no fused version can run.
+* **the NumPy twin** ([`adam_update_numpy`][mpishard.kernels.optim.adam_update_numpy],
+  [`sgd_update_numpy`][mpishard.kernels.optim.sgd_update_numpy]): a dozen in-place array operations
+  per cache-sized chunk, through ``xp``, so it runs on NumPy and CuPy alike. It is the reference,
+  and the fallback where no fused version can run.
 
 Both compute the same operations in the same order and precision (scalars
 rounded to the arrays' dtype first, as NumPy does with a Python float), so
@@ -18,7 +19,7 @@ the fused update equals the twin bit for bit. The CuPy kernels are compiled
 with ``--fmad=false`` to keep it so: NVRTC would otherwise contract a multiply
 and an add into one rounding.
 
-The coefficients are the optimizers' (:mod:`mpishard.optim`): for Adam, with
+The coefficients are the optimizers' ([`mpishard.optim`][mpishard.optim]): for Adam, with
 ``g = grads * grad_scale`` (``+ l2 * params`` for L2 decay)::
 
     params *= decay                                    (AdamW: 1 - lr * wd; else 1)
@@ -81,7 +82,8 @@ def adam_update_numpy(params: Any, grads: Any, exp_avg: Any, exp_avg_sq: Any, *,
                       beta1: float, beta2: float, step_size: float, eps_hat: float,
                       decay: float, l2: float, grad_scale: float, chunk: int,
                       scratch: ScratchBuffers) -> None:
-    """:func:`adam_update`'s NumPy twin: in-place ``xp`` passes, chunk by chunk."""
+    """[`adam_update`][mpishard.kernels.optim.adam_update]'s NumPy twin: in-place ``xp`` passes,
+    chunk by chunk."""
     xp = array_namespace(params)
     n = params.shape[0]
     if n == 0:
@@ -172,7 +174,8 @@ def sgd_update_numpy(params: Any, grads: Any, momentum_buffer: Any | None, *, lr
                      momentum: float, nesterov: bool, weight_decay: float,
                      grad_scale: float, first_step: bool, chunk: int,
                      scratch: ScratchBuffers) -> None:
-    """:func:`sgd_update`'s NumPy twin: in-place ``xp`` passes, chunk by chunk."""
+    """[`sgd_update`][mpishard.kernels.optim.sgd_update]'s NumPy twin: in-place ``xp`` passes, chunk
+    by chunk."""
     xp = array_namespace(params)
     n = params.shape[0]
     if n == 0:
@@ -236,7 +239,7 @@ def _work(xp: Any, params: Any, chunk: int, scratch: ScratchBuffers) -> tuple[An
 
 
 def _numba() -> Any:
-    """The Numba kernels (:mod:`.numba_optim`), imported at the first fused CPU update."""
+    """The Numba kernels (`numba_optim`), imported at the first fused CPU update."""
     from . import numba_optim  # optional dependency: imported on first use only
     return numba_optim
 

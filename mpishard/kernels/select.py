@@ -4,7 +4,7 @@
 
 * ``auto`` (the default): fused where a fused version exists for the array's
   library (Numba on the CPU when it imports, for arrays of at least
-  :data:`FUSED_MIN_ELEMENTS`; the CuPy kernels on a GPU unless
+  `FUSED_MIN_ELEMENTS`; the CuPy kernels on a GPU unless
   ``MPISHARD_GPU_KERNELS=0``, see below), else the NumPy twin;
 * ``reference``: always the NumPy twin (the bits of the reference path; slower);
 * ``fused``: the fused version wherever one exists (an error where it cannot run).
@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from types import ModuleType
 
 import numpy as np
 
-__all__ = ["FUSED_MIN_ELEMENTS", "KERNEL_MODES", "fused_on", "kernel_mode", "numba_available"]
+__all__ = ["FUSED_MIN_ELEMENTS", "KERNEL_MODES", "fused_on", "import_numba", "kernel_mode",
+           "numba_available"]
 
 #: What ``MPISHARD_KERNELS`` accepts.
 KERNEL_MODES = ("auto", "reference", "fused")
@@ -42,7 +44,7 @@ def kernel_mode() -> str:
     """``MPISHARD_KERNELS`` (``auto`` when unset).
 
     Raises:
-        ValueError: a value outside :data:`KERNEL_MODES`.
+        ValueError: a value outside `KERNEL_MODES`.
     """
     mode = os.environ.get("MPISHARD_KERNELS", "auto").strip().lower() or "auto"
     if mode not in KERNEL_MODES:
@@ -51,11 +53,33 @@ def kernel_mode() -> str:
     return mode
 
 
+#: Numba's switch for the highlighting of its error messages (read when it is imported).
+_NO_HIGHLIGHT = "NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING"
+
+
+def import_numba() -> ModuleType:
+    """Numba, imported with its error-message highlighting off unless the caller
+    set ``NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING``. The highlighting calls
+    ``colorama.init()`` at the first compilation, whose exit handler writes
+    ``ESC[0m`` to standard output when it is a terminal (every rank's, under
+    ``mpirun``). The variable is set only while Numba is imported; a program
+    that imported Numba before keeps Numba's own setting."""
+    if "numba" not in sys.modules and _NO_HIGHLIGHT not in os.environ:
+        os.environ[_NO_HIGHLIGHT] = "1"
+        try:
+            import numba
+        finally:
+            del os.environ[_NO_HIGHLIGHT]
+    import numba
+
+    return numba
+
+
 @functools.cache
 def numba_available() -> bool:
     """True when Numba imports (it is compiled lazily, at a kernel's first call)."""
     try:
-        import numba  # noqa: F401
+        import_numba()
     except Exception:  # ImportError, or an llvmlite that does not load here
         return False
     return True
@@ -69,7 +93,7 @@ def fused_on(xp: ModuleType, elements: int | None = None) -> bool:
     """Whether kernels on arrays of ``xp`` (``numpy`` or ``cupy``) run fused.
 
     ``elements``: the size of the arrays at hand; under ``auto`` fewer than
-    :data:`FUSED_MIN_ELEMENTS` run the NumPy twin on the CPU.
+    `FUSED_MIN_ELEMENTS` run the NumPy twin on the CPU.
 
     Raises:
         RuntimeError: ``MPISHARD_KERNELS=fused`` where no fused version can run

@@ -5,11 +5,11 @@ MPI fixes the world size when a job starts, so elasticity is restart-based: the
 agent starts the workers with ``mpirun`` (or ``srun`` inside a Slurm
 allocation), watches them, and relaunches them at a new size, where they resume
 from the newest complete checkpoint, resharded
-(:class:`~mpishard.strategies.ElasticOptimizer` does that side).
+([`ElasticOptimizer`][mpishard.strategies.elastic.ElasticOptimizer] does that side).
 
 The agent watches the workers themselves, not only the launcher: each rank notes
 its pid and host in a per-launch folder (``MPISHARD_JOB_DIR``, see
-:mod:`mpishard.comm.stuck`) and removes the note when it exits through Python. A
+`mpishard.comm.stuck`) and removes the note when it exits through Python. A
 worker on the agent's host whose note stays while its pid is gone died (SIGKILL, a
 crash, the out-of-memory killer).
 
@@ -23,7 +23,7 @@ crash, the out-of-memory killer).
 * The slot source changes (a rewritten ``--slots-file`` or hostfile, or SIGUSR2
   or SIGHUP to the agent): the agent sends SIGUSR1 to the workers, which write a
   checkpoint at the next step boundary and exit with
-  :data:`~mpishard.exitcodes.EXIT_STOPPED`; the agent relaunches at the new size,
+  `EXIT_STOPPED`; the agent relaunches at the new size,
   within ``[min_workers, max_workers]``.
 * SIGTERM or SIGINT to the agent (a Slurm preemption or time limit, Ctrl-C): the
   agent sends SIGTERM straight to the workers on its host (and SIGUSR1 through the
@@ -37,7 +37,7 @@ crash, the out-of-memory killer).
 * Workers that exit 0 after the agent asked them to stop (a resize, or SIGTERM)
   finished only if training did: their ``ElasticOptimizer`` leaves a note in the
   launch folder when it stopped for a signal and checkpointed
-  (:data:`~mpishard.exitcodes.STOP_NOTE`). With that note the agent takes the
+  (`STOP_NOTE`). With that note the agent takes the
   status 0 for 75 (a worker script that ignores ``opt.exit_code``, as scripts
   written for 0.1 do): it relaunches at the new size, or exits 75 after SIGTERM,
   and says in one line (an ``unfinished`` event) that the script should end with
@@ -127,10 +127,10 @@ class WorkerWatch:
     """The workers of one launch, from the notes they leave in ``directory``
     (``rank-R.json``: pid and host; ``abort-R.json``: the rank aborted the job).
 
-    :meth:`look` returns the ranks on this host that died: note present, pid
+    `look` returns the ranks on this host that died: note present, pid
     gone. A note that disappears is a rank that exited through Python (normally,
     or with an exception); such an exit, or an abort, marks the failure as the
-    software's (:attr:`software`), and deaths after it (the launcher ending the
+    software's (`software`), and deaths after it (the launcher ending the
     others) are not counted.
     """
 
@@ -200,7 +200,7 @@ class ElasticAgent:
     Args:
         command: the worker command (``python train.py ...``), unchanged between sizes.
         min_workers, max_workers: the allowed range of the world size (passed to
-            the workers, where :class:`~mpishard.strategies.ElasticOptimizer`
+            the workers, where [`ElasticOptimizer`][mpishard.strategies.elastic.ElasticOptimizer]
             takes them as its defaults).
         slots: where the number of available slots comes from.
         max_restarts: relaunches after failures (planned resizes do not count).
@@ -216,7 +216,7 @@ class ElasticAgent:
             (Open MPI 5, the ``mpirun`` first on ``PATH``; without ``han``, whose
             collectives have swallowed failures, unless ``launcher_args`` choose
             the collective components) and leave the survivors of a death
-            running: they go on in place (:func:`~mpishard.train.run_training`);
+            running: they go on in place ([`run_training`][mpishard.train.run_training]);
             the agent only records a ``lost`` event, and relaunches when they
             exit 75 (fewer than ``min_workers`` left, or a layout that cannot go
             on in place) at ``min(n - lost, available)`` workers, or what the

@@ -1,8 +1,8 @@
 """Where worker slots come from, and the elastic agent's sizing rules. Pure.
 
 A *slot* is room for one worker (one MPI rank). The agent asks a
-:class:`SlotSource` how many there are now; a source can be a file holding one
-integer (``--slots-file``, rewritten by whoever manages capacity), an Open MPI
+[`SlotSource`][mpishard.launch.SlotSource] how many there are now; a source can be a file holding
+one integer (``--slots-file``, rewritten by whoever manages capacity), an Open MPI
 hostfile (``slots=`` summed), the Slurm allocation (``SLURM_NTASKS``), or a fixed
 number. ``stamp()`` changes whenever the source may have changed, so the agent
 re-reads it only then.
@@ -19,7 +19,7 @@ from ..exitcodes import EXIT_STOPPED
 __all__ = ["EXIT_RESIZE", "SlotSource", "next_size", "slots_from_hostfile"]
 
 #: Exit status of workers that checkpointed and stopped for a planned resize: the
-#: one :data:`mpishard.exitcodes.EXIT_STOPPED`, under its older name (kept for
+#: one `mpishard.exitcodes.EXIT_STOPPED`, under its older name (kept for
 #: compatibility).
 EXIT_RESIZE = EXIT_STOPPED
 

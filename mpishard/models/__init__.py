@@ -1,7 +1,7 @@
 """Model files: save, load and serialize a model with its architecture record.
 
-The model-files layer, above :mod:`mpishard.nn` (which it rebuilds models of)
-and :mod:`mpishard.checkpoint` (whose sealed HDF5 format it writes). The models
+The model-files layer, above [`mpishard.nn`][mpishard.nn] (which it rebuilds models of)
+and [`mpishard.checkpoint`][mpishard.checkpoint] (whose sealed HDF5 format it writes). The models
 themselves keep what needs no file (``train``, ``predict``, ``clone``,
 ``with_parameters``, ``get_model_metadata``, ``config``/``architecture``).
 """

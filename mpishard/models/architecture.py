@@ -1,15 +1,15 @@
 """A model from the architecture record a model file or checkpoint stores.
 
-The record is what :meth:`~mpishard.nn.Described.architecture` returned when the
+The record is what [`architecture`][mpishard.nn.Described.architecture] returned when the
 file was written: ``{"version": 2, "class": ..., "args": ...}``, JSON made of the
-layers' and models' own ``config()``, rebuilt by the registry of :mod:`mpishard.nn`
-(:func:`~mpishard.nn.model_from_config`). Only the library's classes are known; a
+layers' and models' own ``config()``, rebuilt by the registry of [`mpishard.nn`][mpishard.nn]
+([`model_from_config`][mpishard.nn.model_from_config]). Only the library's classes are known; a
 model with a user-defined layer is saved with no record (None) and can still be
-loaded *into* a model the user builds. A :class:`~mpishard.nn.FunctionModel`
+loaded *into* a model the user builds. A [`FunctionModel`][mpishard.nn.FunctionModel]
 wraps a Python function, which a file cannot hold (and would not, as pickle).
 
 Version 1 records (files written before layers described themselves: a
-:class:`~mpishard.nn.Sequential` as ``{"type", "args"}`` layers and a loss name)
+[`Sequential`][mpishard.nn.Sequential] as ``{"type", "args"}`` layers and a loss name)
 are read too.
 """
 

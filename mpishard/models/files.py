@@ -3,13 +3,13 @@
 A model file is a checkpoint of kind ``"model"`` (format version 1, sealed,
 checksummed), written and read in this process alone: the parameters as
 logical tensors, the architecture record of
-:meth:`~mpishard.nn.Described.architecture` (JSON, never code) and the history of
-:meth:`~mpishard.nn.ModelMethods.train`. Bytes from :func:`serialize` are the
-same file, held in memory. Never pickle.
+[`architecture`][mpishard.nn.Described.architecture] (JSON, never code) and the history of
+[`train`][mpishard.nn.ModelMethods.train]. Bytes from [`serialize`][mpishard.models.serialize] are
+the same file, held in memory. Never pickle.
 
 The optimizer and its state are not stored (a model file is a model, not a
-training run: use :func:`~mpishard.checkpoint.save_checkpoint` with a strategy
-for that). Any file of the checkpoint format loads: :func:`load_model` of a
+training run: use [`save_checkpoint`][mpishard.checkpoint.save_checkpoint] with a strategy
+for that). Any file of the checkpoint format loads: [`load_model`][mpishard.models.load_model] of a
 training checkpoint rebuilds its model whole, in one process.
 """
 
@@ -145,8 +145,9 @@ def _open_bytes(data: bytes | bytearray | memoryview) -> tuple[CheckpointInfo, C
 
 
 def deserialize(model: Any, data: bytes, *, strict_architecture: bool = True) -> Any:
-    """Load the parameters (and history) of :func:`serialize` bytes into ``model``;
-    the model. ``strict_architecture`` as in :func:`load_model_into`.
+    """Load the parameters (and history) of [`serialize`][mpishard.models.serialize] bytes into
+    ``model``; the model. ``strict_architecture`` as in
+    [`load_model_into`][mpishard.models.load_model_into].
 
     Raises:
         TypeError: ``data`` is not bytes.
@@ -162,7 +163,7 @@ def load_model_into(model: Any, path: str | os.PathLike, *,
     """Load the parameters (and history) of the file ``path`` into ``model``; the model.
 
     Reads model files and training checkpoints alike, into any
-    :class:`~mpishard.protocols.Model` with the file's tensors. When the file and
+    [`Model`][mpishard.protocols.Model] with the file's tensors. When the file and
     the model both record an architecture, they must agree (seed and dtype
     aside): another one is an error listing the differences, unless
     ``strict_architecture=False``.
@@ -189,10 +190,10 @@ def load_model(path: str | os.PathLike, f: Callable | None = None,
     """A new model from the file ``path`` (a model file or a training checkpoint),
     in this process, on the array backend ``xp``.
 
-    A library model (:class:`~mpishard.nn.Sequential`, ``MLP``, ``GPT``,
+    A library model ([`Sequential`][mpishard.nn.Sequential], ``MLP``, ``GPT``,
     ``ParallelMLP``) is rebuilt from the architecture record in the file; a
     tensor-parallel or pipeline model's checkpoint gives the whole model. A
-    :class:`~mpishard.nn.FunctionModel` needs its function back: pass ``f`` (and
+    [`FunctionModel`][mpishard.nn.FunctionModel] needs its function back: pass ``f`` (and
     ``predict``) and the model is built with the file's layout.
 
     Raises:
@@ -205,6 +206,7 @@ def load_model(path: str | os.PathLike, f: Callable | None = None,
 
 def model_from_bytes(data: bytes, f: Callable | None = None, predict: Callable | None = None,
                      xp: Any = np) -> Any:
-    """A new model from :func:`serialize` bytes (as :func:`load_model`)."""
+    """A new model from [`serialize`][mpishard.models.serialize] bytes (as
+    [`load_model`][mpishard.models.load_model])."""
     info, opener = _open_bytes(data)
     return _load_into(_build(info, f, predict, xp), info, opener)

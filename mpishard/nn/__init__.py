@@ -1,7 +1,5 @@
 """Layers and models whose parameters are views of one flat NumPy or CuPy vector."""
 
-from .._deprecated import forward_names
-from . import stack
 from .activations import GELU, ReLU, Tanh
 from .attention import CausalSelfAttention
 from .base import BatchContext, Layer
@@ -60,5 +58,3 @@ __all__ = [
     "owned_ranges",
     "tensor_shards",
 ]
-
-__getattr__ = forward_names(__name__, {"ShardedSequential": (stack, "LayerStack")})

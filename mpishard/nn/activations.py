@@ -1,12 +1,13 @@
-"""Elementwise activations: :class:`ReLU`, :class:`GELU` (tanh approximation), :class:`Tanh`.
+"""Elementwise activations: [`ReLU`][mpishard.nn.ReLU], [`GELU`][mpishard.nn.GELU] (tanh
+approximation), [`Tanh`][mpishard.nn.Tanh].
 
 Their backward multiplies ``dy`` in place by the local derivative: ``dy`` is
 scratch of the model, so no gradient buffer of their own is needed. The
-arithmetic is :mod:`mpishard.kernels.nn`'s (one fused kernel a pass on a GPU).
+arithmetic is `mpishard.kernels.nn`'s (one fused kernel a pass on a GPU).
 
-An activation right after a layer with a bias (:class:`~mpishard.nn.Linear`,
-:class:`~mpishard.nn.ColumnParallelLinear`) adds that bias itself: the model
-pairs them (:func:`pair_bias_activations`), the linear layer leaves its output
+An activation right after a layer with a bias ([`Linear`][mpishard.nn.Linear],
+[`ColumnParallelLinear`][mpishard.nn.ColumnParallelLinear]) adds that bias itself: the model
+pairs them (`pair_bias_activations`), the linear layer leaves its output
 without the bias, and ``act(x + bias)`` is one pass instead of two. The
 numbers are the same: the bias is added to the same product, in the same
 precision, before the same activation.
@@ -29,10 +30,10 @@ __all__ = [
 
 
 class _Activation(Layer):
-    """An elementwise activation (``kind`` among :data:`mpishard.kernels.nn.ACTIVATIONS`)."""
+    """An elementwise activation (``kind`` among `mpishard.kernels.nn.ACTIVATIONS`)."""
 
     kind = ""
-    #: The layer whose bias this activation adds (set by :func:`pair_bias_activations`).
+    #: The layer whose bias this activation adds (set by `pair_bias_activations`).
     bias_of: Layer | None = None
 
     def _scratch_names(self, train: bool) -> tuple[str, ...]:

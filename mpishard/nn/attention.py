@@ -45,7 +45,7 @@ class CausalSelfAttention(Layer):
     Raises:
         ValueError: ``d_model`` not divisible by ``n_heads``, or ``n_heads`` not
             divisible by ``p``. Decided from the arguments alone, without
-            communication: :class:`~mpishard.nn.GPT` agrees on it over the group first.
+            communication: [`GPT`][mpishard.nn.GPT] agrees on it over the group first.
     """
 
     def __init__(self, d_model: int, n_heads: int, tp_comm: FlatComm | None = None,

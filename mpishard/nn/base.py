@@ -1,4 +1,4 @@
-"""The layer interface of :class:`~mpishard.nn.Sequential` and the batch context."""
+"""The layer interface of [`Sequential`][mpishard.nn.Sequential] and the batch context."""
 
 from __future__ import annotations
 
@@ -32,27 +32,30 @@ class BatchContext:
 
 
 class Layer:
-    """One step of a :class:`~mpishard.nn.Sequential`: a map from rows to rows.
+    """One step of a [`Sequential`][mpishard.nn.Sequential]: a map from rows to rows.
 
     A layer owns no parameter or batch memory of its own:
 
     * its parameters are views of the model's flat vector, handed to
-      :meth:`build` by name (``"weight"``, ``"bias"``);
+      [`build`][mpishard.nn.Layer.build] by name (``"weight"``, ``"bias"``);
     * its activations and scratch live in a dict of buffers made by
-      :meth:`allocate` once per batch shape and passed back to :meth:`forward`
-      and the backward methods, so the step loop allocates nothing;
+      [`allocate`][mpishard.nn.Layer.allocate] once per batch shape and passed back to
+      [`forward`][mpishard.nn.Layer.forward] and the backward methods, so the step loop allocates
+      nothing;
     * its gradients are written into views chosen by the model (the flat
       gradient vector, or whatever a strategy bound with ``bind_gradients``).
 
     Backward is split in two so a model can tell a strategy the moment a layer's
-    gradients are final: :meth:`backward_params` writes d(loss)/d(params), then
-    :meth:`backward_input` returns d(loss)/d(input). Both may overwrite ``dy``:
-    it is scratch of the model that nothing reads afterwards.
+    gradients are final: [`backward_params`][mpishard.nn.Layer.backward_params] writes
+    d(loss)/d(params), then [`backward_input`][mpishard.nn.Layer.backward_input] returns
+    d(loss)/d(input). Both may overwrite ``dy``: it is scratch of the model that nothing reads
+    afterwards.
 
     Inputs are 2-D, ``(rows, features)``; a layer of other shapes (the
-    sequence layers of :class:`~mpishard.nn.GPT`) overrides :meth:`output_shape`
-    and :meth:`allocate_shape` and runs in a
-    :class:`~mpishard.nn.stack.LayerStack`.
+    sequence layers of [`GPT`][mpishard.nn.GPT]) overrides
+    [`output_shape`][mpishard.nn.Layer.output_shape] and
+    [`allocate_shape`][mpishard.nn.Layer.allocate_shape] and runs in a
+    [`LayerStack`][mpishard.nn.LayerStack].
     """
 
     index: int = 0
@@ -105,8 +108,8 @@ class Layer:
 
     # -- shapes other than (rows, features), and tensor shards ------------------
     #
-    # Used by :class:`~mpishard.nn.stack.LayerStack` (GPT, pipeline
-    # stages, tensor parallelism); :class:`~mpishard.nn.Sequential` does not
+    # Used by `LayerStack` (GPT, pipeline
+    # stages, tensor parallelism); `Sequential` does not
     # call them. The defaults describe a layer of rows that holds its tensors
     # in full.
 
@@ -124,7 +127,8 @@ class Layer:
 
     def allocate_shape(self, in_shape: tuple[int, ...], train: bool,
                        need_dx: bool) -> dict[str, Any]:
-        """:meth:`allocate` for an input of shape ``in_shape`` (2-D by default)."""
+        """[`allocate`][mpishard.nn.Layer.allocate] for an input of shape ``in_shape`` (2-D by
+        default)."""
         rows, features = _rows_features(self, in_shape)
         return self.allocate(rows, features, train, need_dx)
 
@@ -132,14 +136,14 @@ class Layer:
         """The tensors this rank holds only a slice of, by local name.
 
         Tensors not listed are held in full, identical on every rank of the
-        tensor-parallel group (see :mod:`mpishard.nn.shards`).
+        tensor-parallel group (see `mpishard.nn.shards`).
         """
         return {}
 
     def config(self) -> dict[str, Any] | None:
         """The layer as JSON: ``{"class": name, "args": constructor arguments}``.
 
-        :func:`~mpishard.nn.layer_from_config` builds an equal, unbuilt layer from
+        [`layer_from_config`][mpishard.nn.layer_from_config] builds an equal, unbuilt layer from
         it; a model file stores it, never code. This default describes a class
         that takes no constructor arguments (an activation). A layer with
         arguments overrides it; one that does not (a user's layer) returns None:

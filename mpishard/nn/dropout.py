@@ -20,7 +20,7 @@ class Dropout(Layer):
     ``(global_size, features)``, from
     ``numpy.random.default_rng([seed, layer_index, step])``, and this call's rows
     ``[start, start + rows)`` of it are used (see
-    :class:`~mpishard.nn.base.BatchContext`). So one process on the global batch,
+    [`BatchContext`][mpishard.nn.BatchContext]). So one process on the global batch,
     any data-parallel split of it, and any split into accumulated micro-batches
     all see the same mask: the gradients agree to rounding.
 

@@ -1,6 +1,6 @@
 """The two ends of a language model: token and position embedding in, vocabulary logits out.
 
-Both are top-level layers of :class:`~mpishard.nn.GPT` on sequences: inputs and
+Both are top-level layers of [`GPT`][mpishard.nn.GPT] on sequences: inputs and
 outputs are ``(batch, tokens, features)`` (the embedding reads ``(batch, tokens)``
 integer ids).
 """
@@ -43,7 +43,7 @@ class Embedding(Layer):
 
     The gradient of ``wte`` is a scatter-add of the output gradient over the
     ids, in the order of the rows on every backend
-    (:func:`mpishard.kernels.nn.scatter_add_rows`: the same bits in every run).
+    (`mpishard.kernels.nn.scatter_add_rows`: the same bits in every run).
     """
 
     index_input = True
@@ -141,7 +141,7 @@ class LMHead(Layer):
     head is **vocabulary-parallel**: rank ``r`` holds columns
     ``split_range(V, p, r)`` (pieces differ by at most one; ``V`` need not be
     divisible by ``p``) and outputs those logits, for
-    :class:`~mpishard.nn.VocabParallelCrossEntropy`. Its input gradient is a
+    [`VocabParallelCrossEntropy`][mpishard.nn.VocabParallelCrossEntropy]. Its input gradient is a
     partial sum, all-reduced over ``tp_comm`` (started before the weight
     gradient's matmul, waited for after it); ``ln_f`` is held in full.
 

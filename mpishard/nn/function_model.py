@@ -1,4 +1,4 @@
-"""A :class:`~mpishard.protocols.Model` around a user's ``f(params, x, y) -> (loss, grad)``."""
+"""A [`Model`][mpishard.protocols.Model] around a user's ``f(params, x, y) -> (loss, grad)``."""
 
 from __future__ import annotations
 
@@ -21,22 +21,22 @@ class FunctionModel(ModelMethods):
 
     ``f(params, x, y)`` returns the mean loss over the rows of ``x`` and the
     gradient with respect to ``params``, a flat array of ``params``' shape and
-    dtype. ``predict(params, x)``, if given, serves :meth:`forward`.
+    dtype. ``predict(params, x)``, if given, serves [`forward`][mpishard.nn.FunctionModel.forward].
 
     The model owns a copy of ``params`` (1-D, float32 or float64, NumPy or
     CuPy) and a gradient vector of the same kind. ``layout`` names the tensors
     in the flat vector (for checkpoints and tensor-aware strategies); by default
     it is one tensor named ``"params"``.
 
-    This is a plain :class:`~mpishard.protocols.Model`, not a
-    :class:`~mpishard.protocols.BucketedModel`: ``f`` hands back its whole
+    This is a plain [`Model`][mpishard.protocols.Model], not a
+    [`BucketedModel`][mpishard.protocols.BucketedModel]: ``f`` hands back its whole
     gradient at once, so there is no backward progress to report and no way to
     write the gradient elsewhere. Strategies reduce it after
-    :meth:`forward_backward` returns, without overlap.
+    [`forward_backward`][mpishard.nn.FunctionModel.forward_backward] returns, without overlap.
 
     A model file of a FunctionModel holds its parameters and layout but not
-    ``f`` (Python code, which a file does not hold): :meth:`config` is None, and
-    :func:`mpishard.models.load_model` needs ``f=`` to rebuild it.
+    ``f`` (Python code, which a file does not hold): [`config`][mpishard.nn.Described.config] is
+    None, and [`mpishard.models.load_model`][mpishard.models.load_model] needs ``f=`` to rebuild it.
 
     Raises:
         TypeError: ``params`` is not a float32 or float64 array.

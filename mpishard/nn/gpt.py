@@ -40,7 +40,7 @@ class TransformerBlock(Layer):
     ``mlp.fc1.weight``, ``mlp.fc1.bias``, ``mlp.fc2.weight``, ``mlp.fc2.bias``.
 
     Tensor-parallel over ``tp_comm``: the attention split by heads
-    (:class:`CausalSelfAttention`), ``fc1`` column-parallel and ``fc2``
+    ([`CausalSelfAttention`][mpishard.nn.CausalSelfAttention]), ``fc1`` column-parallel and ``fc2``
     row-parallel; the LayerNorms and the biases added after a reduction are held
     in full. Two Allreduces in forward and two in backward, of ``(batch *
     tokens, d)`` elements each.
@@ -181,11 +181,11 @@ class GPT(Described, LayerStack):
 
     Top-level layers (and tensor names):
 
-    * ``0``: :class:`~mpishard.nn.embedding.Embedding`, ``0.wte`` ``(V, d)`` and
+    * ``0``: [`Embedding`][mpishard.nn.Embedding], ``0.wte`` ``(V, d)`` and
       ``0.wpe`` ``(seq_len, d)``;
-    * ``1 .. n_layers``: :class:`TransformerBlock`, ``3.ln1.weight``,
+    * ``1 .. n_layers``: [`TransformerBlock`][mpishard.nn.TransformerBlock], ``3.ln1.weight``,
       ``3.attn.wq``, ``3.mlp.fc1.weight``, ...;
-    * ``n_layers + 1``: :class:`~mpishard.nn.embedding.LMHead`,
+    * ``n_layers + 1``: [`LMHead`][mpishard.nn.LMHead],
       ``ln_f.weight``, ``ln_f.bias`` and the untied ``head.weight`` ``(d, V)``, no bias.
 
     Input: integer token ids ``(batch, tokens)``, ``tokens <= seq_len``; targets:
@@ -200,18 +200,18 @@ class GPT(Described, LayerStack):
     tensor-parallel rank holds exactly its slice of the serial model's tensor
     and a pipeline stage exactly the serial model's layers.
 
-    ``tp_comm`` (a :class:`~mpishard.comm.FlatComm` or mpi4py communicator of the
+    ``tp_comm`` (a [`FlatComm`][mpishard.comm.FlatComm] or mpi4py communicator of the
     tensor-parallel group, e.g. ``ShardingConfiguration(...).groups.tp``): Megatron
     tensor parallelism. Attention split by heads, MLP column- then
     row-parallel, the head and the loss vocabulary-parallel
-    (:class:`~mpishard.nn.VocabParallelCrossEntropy`; ``V`` need not be
+    ([`VocabParallelCrossEntropy`][mpishard.nn.VocabParallelCrossEntropy]; ``V`` need not be
     divisible). Per step: two Allreduces of ``(batch * tokens, d)`` per block
     forward and two backward, one for the head's backward, one Allgatherv of
     ``p * (batch * tokens + 1)`` numbers in the loss. ``forward(x)`` gathers the
     full logits (an Allgatherv). Building is collective over the group.
 
     ``stage_layers=(start, stop)``: only those top-level layers, for a pipeline
-    stage (see :class:`~mpishard.nn.stack.LayerStack` for the stage
+    stage (see [`LayerStack`][mpishard.nn.LayerStack] for the stage
     API); the model has ``GPT.num_layers_of(n_layers) = n_layers + 2`` top-level
     layers.
 
@@ -255,7 +255,7 @@ class GPT(Described, LayerStack):
         super().__init__(layers, loss, dtype=dtype, xp=xp, seed=seed, stage_layers=stage_layers)
 
     def config(self) -> dict[str, Any]:
-        """The whole model as JSON (:func:`~mpishard.nn.model_from_config` builds it).
+        """The whole model as JSON ([`model_from_config`][mpishard.nn.model_from_config] builds it).
 
         ``tp_comm`` and ``stage_layers`` are not recorded: a checkpoint holds the
         logical tensors of every stage, and the record describes that model, which

@@ -1,4 +1,5 @@
-"""Layers with parameters: :class:`Linear` and :class:`LayerNorm`."""
+"""Layers with parameters: [`Linear`][mpishard.nn.Linear] and
+[`LayerNorm`][mpishard.nn.LayerNorm]."""
 
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ class Linear(Layer):
     """
 
     #: The bias may be left to the activation after it (see
-    #: :func:`~mpishard.nn.activations.pair_bias_activations`); ``defer_bias``
+    #: `pair_bias_activations`); ``defer_bias``
     #: says it was, and the output is then ``x @ W`` alone.
     folds_bias = True
     defer_bias = False
+    #: The constructor arguments `config` records, in order.
+    _CONFIG: tuple[str, ...] = ("in_features", "out_features", "bias")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         if in_features < 1 or out_features < 1:
@@ -41,11 +44,14 @@ class Linear(Layer):
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.bias = bool(bias)
+        #: The block of the weight this rank holds is ``(local_in, local_out)``:
+        #: the whole weight (a tensor-parallel Linear holds a slice).
+        self.local_in, self.local_out = self.in_features, self.out_features
 
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        shapes = [("weight", (self.in_features, self.out_features))]
+        shapes = [("weight", (self.local_in, self.local_out))]
         if self.bias:
-            shapes.append(("bias", (self.out_features,)))
+            shapes.append(("bias", (self.local_out,)))
         return shapes
 
     def init_params(self, rng: np.random.Generator) -> None:
@@ -55,17 +61,18 @@ class Linear(Layer):
             self.params[name][...] = self.xp.asarray(host)
 
     def output_features(self, in_features: int) -> int:
-        if in_features != self.in_features:
-            raise ValueError(f"layer {self.index} (Linear) expects {self.in_features} "
-                             f"input features, got {in_features}")
-        return self.out_features
+        if in_features != self.local_in:
+            part = f" (its part of {self.in_features})" if self.local_in < self.in_features else ""
+            raise ValueError(f"layer {self.index} ({type(self).__name__}) expects "
+                             f"{self.local_in} input features{part}, got {in_features}")
+        return self.local_out
 
     def allocate(self, rows: int, in_features: int, train: bool,
                  need_dx: bool) -> dict[str, Any]:
         xp = self.xp
-        buf = {"y": xp.empty((rows, self.out_features), dtype=self.dtype)}
+        buf = {"y": xp.empty((rows, self.local_out), dtype=self.dtype)}
         if train and need_dx:
-            buf["dx"] = xp.empty((rows, self.in_features), dtype=self.dtype)
+            buf["dx"] = xp.empty((rows, self.local_in), dtype=self.dtype)
         return buf
 
     def forward(self, x: Any, buf: dict[str, Any], ctx: BatchContext | None) -> Any:
@@ -93,9 +100,8 @@ class Linear(Layer):
         return dx
 
     def config(self) -> dict[str, Any]:
-        return {"class": "Linear", "args": {"in_features": self.in_features,
-                                            "out_features": self.out_features,
-                                            "bias": self.bias}}
+        return {"class": type(self).__name__,
+                "args": {name: getattr(self, name) for name in self._CONFIG}}
 
     def __repr__(self) -> str:
         return f"Linear({self.in_features}, {self.out_features}, bias={self.bias})"

@@ -1,4 +1,5 @@
-"""Losses, each the mean over the rows of a batch: :class:`SoftmaxCrossEntropy`, :class:`MSELoss`.
+"""Losses, each the mean over the rows of a batch:
+[`SoftmaxCrossEntropy`][mpishard.nn.SoftmaxCrossEntropy], [`MSELoss`][mpishard.nn.MSELoss].
 
 A mean over the rows *given* makes the loss of a data-parallel rank the mean of
 its rows; a strategy combines the ranks' values weighted by their row counts to
@@ -19,14 +20,32 @@ __all__ = [
     "Loss",
     "MSELoss",
     "SoftmaxCrossEntropy",
+    "check_labels",
 ]
 
 
-class Loss:
-    """The last step of a :class:`~mpishard.nn.Sequential`: model output and target to a number.
+def check_labels(loss: Any, target: Any, rows: int) -> Any:
+    """``target`` if it is integer class labels of shape ``(rows,)``, as a
+    cross-entropy ``loss`` (named in the error) reads them.
 
-    Like a layer, a loss keeps its scratch in buffers made by :meth:`allocate`
-    once per batch shape; :meth:`loss_and_grad` returns the loss and
+    Raises:
+        TypeError: not integers.
+        ValueError: another shape.
+    """
+    if target.dtype.kind not in "iu":
+        raise TypeError(f"{type(loss).__name__} expects integer class labels, "
+                        f"got dtype {target.dtype}")
+    if target.shape != (rows,):
+        raise ValueError(f"expecting labels of shape ({rows},), got {target.shape}")
+    return target
+
+
+class Loss:
+    """The last step of a [`Sequential`][mpishard.nn.Sequential]: model output and target to a
+    number.
+
+    Like a layer, a loss keeps its scratch in buffers made by `allocate`
+    once per batch shape; `loss_and_grad` returns the loss and
     d(loss)/d(output) (the buffer ``buf["grad"]``).
 
     The loss is returned as a scalar of the backend (a 0-d CuPy array on a
@@ -52,7 +71,7 @@ class Loss:
         raise NotImplementedError
 
     def config(self) -> dict[str, Any] | None:
-        """The loss as JSON, or None (see :meth:`~mpishard.nn.Layer.config`)."""
+        """The loss as JSON, or None (see [`config`][mpishard.nn.Layer.config])."""
         return no_argument_config(self, Loss)
 
     def __repr__(self) -> str:
@@ -81,12 +100,7 @@ class SoftmaxCrossEntropy(Loss):
         }
 
     def check_target(self, target: Any, rows: int, features: int) -> Any:
-        if target.dtype.kind not in "iu":
-            raise TypeError(f"SoftmaxCrossEntropy expects integer class labels, "
-                            f"got dtype {target.dtype}")
-        if target.shape != (rows,):
-            raise ValueError(f"expecting labels of shape ({rows},), got {target.shape}")
-        return target
+        return check_labels(self, target, rows)
 
     def loss_and_grad(self, out: Any, target: Any, buf: dict[str, Any]) -> tuple[Any, Any]:
         return softmax_cross_entropy(out, target, buf)

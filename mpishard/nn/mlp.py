@@ -1,4 +1,4 @@
-"""A multilayer perceptron: :class:`~mpishard.nn.Sequential` built from a list of widths."""
+"""A multilayer perceptron: [`Sequential`][mpishard.nn.Sequential] built from a list of widths."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class MLP(Sequential):
     layers ``0, 2, 4`` linear with tensors ``"0.weight"``, ``"0.bias"``,
     ``"2.weight"``, ...
 
-    The dropout masks are seeded from ``seed`` too (see :class:`Dropout`).
+    The dropout masks are seeded from ``seed`` too (see [`Dropout`][mpishard.nn.Dropout]).
 
     Raises:
         ValueError: fewer than two sizes, or an unknown activation or loss.

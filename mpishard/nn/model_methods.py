@@ -1,10 +1,11 @@
 """The single-process model API of the library's models: describe, train, predict, copy.
 
 Nothing here reads or writes a file: saving, loading and bytes are
-:mod:`mpishard.models`, the model-files layer above ``nn`` and
-:mod:`mpishard.checkpoint`, which gets what it stores through
-:class:`~mpishard.protocols.DescribedModel` (:meth:`Described.architecture`
-and :meth:`Described.training_metadata`).
+[`mpishard.models`][mpishard.models], the model-files layer above ``nn`` and
+[`mpishard.checkpoint`][mpishard.checkpoint], which gets what it stores through
+[`DescribedModel`][mpishard.protocols.DescribedModel]
+([`Described.architecture`][mpishard.nn.Described.architecture] and
+[`Described.training_metadata`][mpishard.nn.Described.training_metadata]).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ __all__ = [
     "TrainingHistory",
 ]
 
-#: Version of the record :meth:`Described.architecture` returns. Version 1 (before
+#: Version of the record `Described.architecture` returns. Version 1 (before
 #: layers described themselves) listed ``{"type", "args"}`` layers of a Sequential;
-#: :func:`mpishard.models.build_architecture` still reads it.
+#: `mpishard.models.build_architecture` still reads it.
 ARCHITECTURE_VERSION = 2
 
 _HISTORY = "_training_history"
@@ -38,7 +39,8 @@ _HISTORY = "_training_history"
 
 @dataclass
 class TrainingHistory:
-    """What :meth:`ModelMethods.train` keeps on a model between calls."""
+    """What [`ModelMethods.train`][mpishard.nn.ModelMethods.train] keeps on a model between
+    calls."""
 
     optimizer: Any = None
     state: dict[str, Any] = field(default_factory=dict)
@@ -50,8 +52,8 @@ class TrainingHistory:
 class Described:
     """A model that describes itself for model files and checkpoints.
 
-    Meets :class:`~mpishard.protocols.DescribedModel`. A subclass overrides
-    :meth:`config`; the rest follows from it.
+    Meets [`DescribedModel`][mpishard.protocols.DescribedModel]. A subclass overrides
+    [`config`][mpishard.nn.Described.config]; the rest follows from it.
     """
 
     def config(self) -> dict[str, Any] | None:
@@ -60,12 +62,14 @@ class Described:
         return None
 
     def architecture(self) -> dict[str, Any] | None:
-        """The record a file stores: :meth:`config` with ``"version"``, or None."""
+        """The record a file stores: [`config`][mpishard.nn.Described.config] with ``"version"``, or
+        None."""
         config = self.config()
         return None if config is None else {"version": ARCHITECTURE_VERSION, **config}
 
     def training_metadata(self) -> dict[str, Any] | None:
-        """``{"steps", "losses"}`` of :meth:`ModelMethods.train`, or None if it never ran."""
+        """``{"steps", "losses"}`` of [`ModelMethods.train`][mpishard.nn.ModelMethods.train], or
+        None if it never ran."""
         history = self.__dict__.get(_HISTORY)
         if history is None:
             return None
@@ -88,7 +92,7 @@ class Described:
 class ModelMethods(Described):
     """``train``, ``predict``, ``get_model_metadata``, ``clone`` and ``with_parameters``.
 
-    A mixin for a :class:`~mpishard.protocols.Model` (``params``, ``grads``,
+    A mixin for a [`Model`][mpishard.protocols.Model] (``params``, ``grads``,
     ``layout``, ``forward``, ``forward_backward``) in one process.
     """
 
@@ -99,10 +103,10 @@ class ModelMethods(Described):
     def train(self, x: Any, y: Any, optimizer: Any = None) -> float:
         """One plain optimizer step on the batch ``(x, y)`` in this process; the loss.
 
-        ``optimizer`` (a :mod:`mpishard.optim` optimizer) is kept on the model and
+        ``optimizer`` (a [`mpishard.optim`][mpishard.optim] optimizer) is kept on the model and
         used by later calls that pass none; the first call without one uses
         ``SGD(lr=0.01)``. A new optimizer starts with fresh state. The loss goes
-        into the history of :meth:`get_model_metadata`.
+        into the history of [`get_model_metadata`][mpishard.nn.ModelMethods.get_model_metadata].
 
         Raises:
             RuntimeError: the model's gradients belong to a strategy (``grads`` is None).
@@ -161,7 +165,8 @@ class ModelMethods(Described):
         return new
 
     def with_parameters(self, vector: Any) -> Any:
-        """A copy of this model (as :meth:`clone`) whose parameters are ``vector``.
+        """A copy of this model (as [`clone`][mpishard.nn.ModelMethods.clone]) whose parameters are
+        ``vector``.
 
         Raises:
             ValueError: ``vector`` is not 1-D of the model's parameter count.

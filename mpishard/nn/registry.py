@@ -62,7 +62,7 @@ def _class_and_args(config: Any, known: dict[str, type], what: str) -> tuple[typ
 
 
 def layer_from_config(config: dict[str, Any]) -> Layer:
-    """A new, unbuilt layer from :meth:`Layer.config`'s record.
+    """A new, unbuilt layer from [`Layer.config`][mpishard.nn.Layer.config]'s record.
 
     Raises:
         ValueError: not a record, or a class this library does not have.
@@ -73,7 +73,8 @@ def layer_from_config(config: dict[str, Any]) -> Layer:
 
 
 def loss_from_config(config: dict[str, Any]) -> Loss:
-    """A new loss from :meth:`Loss.config`'s record (raises as :func:`layer_from_config`)."""
+    """A new loss from [`Loss.config`][mpishard.nn.Loss.config]'s record (raises as
+    [`layer_from_config`][mpishard.nn.layer_from_config])."""
     cls, args = _class_and_args(config, _LOSSES, "loss")
     return cls(**args)
 
@@ -81,8 +82,9 @@ def loss_from_config(config: dict[str, Any]) -> Loss:
 def model_from_config(config: dict[str, Any], xp: Any = np) -> LayerStack:
     """A new model, on the array backend ``xp``, from a model's ``config()`` record.
 
-    A :class:`Sequential`'s layers and loss are records too, built by
-    :func:`layer_from_config` and :func:`loss_from_config`.
+    A [`Sequential`][mpishard.nn.Sequential]'s layers and loss are records too, built by
+    [`layer_from_config`][mpishard.nn.layer_from_config] and
+    [`loss_from_config`][mpishard.nn.loss_from_config].
 
     Raises:
         ValueError: not a record, or a class this library does not have.

@@ -1,4 +1,4 @@
-"""Layers in order over one flat vector: a :class:`~mpishard.protocols.BucketedModel`."""
+"""Layers in order over one flat vector: a [`BucketedModel`][mpishard.protocols.BucketedModel]."""
 
 from __future__ import annotations
 
@@ -22,15 +22,16 @@ __all__ = [
 class Sequential(ModelMethods, LayerStack):
     """Layers applied in order, then a loss; parameters in one flat vector.
 
-    The whole model of :class:`~mpishard.nn.stack.LayerStack` (no
+    The whole model of [`LayerStack`][mpishard.nn.LayerStack] (no
     pipeline stage, no tensor parallelism), plus the single-process model API
-    (:class:`~mpishard.nn.model_methods.ModelMethods`; files: :mod:`mpishard.models`). The
+    ([`ModelMethods`][mpishard.nn.ModelMethods]; files: [`mpishard.models`][mpishard.models]). The
     layout names tensors ``"<index>.<name>"`` by the layer's position in
     ``layers`` (``"0.weight"``, ``"0.bias"``, ``"2.weight"``), in forward order.
     ``params`` and ``grads`` are two flat vectors of ``layout.size`` elements;
     every layer reads its parameters as views of ``params`` and writes its
-    gradients into views of ``grads`` (or of what :meth:`bind_gradients` gave).
-    The loss object is ``criterion``.
+    gradients into views of ``grads`` (or of what
+    [`bind_gradients`][mpishard.nn.LayerStack.bind_gradients] gave). The loss object is
+    ``criterion``.
 
     Parameters are initialised deterministically: layer ``i`` draws from
     ``numpy.random.default_rng([seed, i])`` on the host, so the same ``seed``
@@ -52,7 +53,7 @@ class Sequential(ModelMethods, LayerStack):
 
     def config(self) -> dict[str, Any] | None:
         """``{"class": "Sequential", "args": {"layers", "loss", "dtype", "seed"}}``, the
-        layers and the loss by their own :meth:`~mpishard.nn.Layer.config`; None if
+        layers and the loss by their own [`config`][mpishard.nn.Layer.config]; None if
         one of them cannot describe itself. ``xp`` is not recorded: the loader chooses."""
         layers = [layer.config() for layer in self.all_layers]
         loss = self.criterion.config()
@@ -62,8 +63,8 @@ class Sequential(ModelMethods, LayerStack):
                                                 "dtype": self.dtype.name, "seed": self.seed}}
 
     def get_model_metadata(self) -> dict[str, Any]:
-        """As :meth:`ModelMethods.get_model_metadata`, plus ``"layers"``: each layer's
-        type, tensor shapes and parameter count."""
+        """As [`ModelMethods.get_model_metadata`][mpishard.nn.ModelMethods.get_model_metadata], plus
+        ``"layers"``: each layer's type, tensor shapes and parameter count."""
         return {**super().get_model_metadata(), "layers": layer_metadata(self.layers)}
 
     def clone(self) -> Sequential:

@@ -1,10 +1,10 @@
 """Tensor shards: which slice of which logical tensor a rank holds (pure metadata).
 
-:class:`TensorShard` says which slice of which *logical* (unpartitioned) tensor a
-rank holds, and whether every rank of the tensor-parallel group holds the same
+[`TensorShard`][mpishard.nn.TensorShard] says which slice of which *logical* (unpartitioned) tensor
+a rank holds, and whether every rank of the tensor-parallel group holds the same
 full tensor (``replicated``). Checkpoints write logical tensors from these
 records; a global gradient norm counts each logical element once by summing over
-:func:`owned_ranges`. Nothing here imports a layer, so layers can name it.
+[`owned_ranges`][mpishard.nn.owned_ranges]. Nothing here imports a layer, so layers can name it.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class TensorShard:
     @classmethod
     def split(cls, name: str, shape: Sequence[int], axis: int, parts: int,
               rank: int) -> TensorShard:
-        """Rank ``rank``'s piece of axis ``axis`` cut in ``parts`` (:func:`split_range`)."""
+        """Rank ``rank``'s piece of axis ``axis`` cut in ``parts``
+        ([`split_range`][mpishard.flat.split_range])."""
         shape = tuple(int(n) for n in shape)
         r = split_range(shape[axis], parts, rank)
         index = tuple(slice(r.start, r.stop) if a == axis else slice(0, n)
@@ -70,7 +71,7 @@ def tensor_shards(model: Any) -> dict[str, TensorShard]:
     """The shard record of every tensor of ``model``'s layout, by local name.
 
     Uses ``model.tensor_shards()`` when the model has it; any other
-    :class:`~mpishard.protocols.Model` holds every tensor in full (serial).
+    [`Model`][mpishard.protocols.Model] holds every tensor in full (serial).
     """
     method = getattr(model, "tensor_shards", None)
     if method is not None:

@@ -1,12 +1,12 @@
 """``LayerStack``: a contiguous range of a model's top-level layers on one flat vector.
 
-Every serial model of :mod:`mpishard.nn` (``Sequential``/``MLP``, ``GPT``,
+Every serial model of [`mpishard.nn`][mpishard.nn] (``Sequential``/``MLP``, ``GPT``,
 ``ParallelMLP``) is a ``LayerStack`` of all its layers; a pipeline stage is one of
 the range ``[start, stop)``, named and initialised exactly as in the whole model,
 run through the stage API (``forward_stage``, ``loss``, ``backward_stage``) that
 pipeline schedules are written on. Tensor names do not depend on the partition:
 ``"3.attn.wq"`` is called that in the serial model, in every tensor-parallel rank
-(which holds a slice of it, :class:`~mpishard.nn.shards.TensorShard`) and in the
+(which holds a slice of it, [`TensorShard`][mpishard.nn.TensorShard]) and in the
 stage that holds layer 3.
 """
 
@@ -53,25 +53,25 @@ class _Workspace:
 class LayerStack:
     """Top-level layers ``[start, stop)`` of a model, each possibly tensor-parallel.
 
-    The base class of :class:`~mpishard.nn.GPT` and
-    :class:`~mpishard.nn.ParallelMLP`, usable with any list of
-    :class:`~mpishard.nn.Layer`. ``layers`` is the list of the **whole** model;
+    The base class of [`GPT`][mpishard.nn.GPT] and
+    [`ParallelMLP`][mpishard.nn.ParallelMLP], usable with any list of
+    [`Layer`][mpishard.nn.Layer]. ``layers`` is the list of the **whole** model;
     ``stage_layers=(start, stop)`` builds only those layers (a pipeline stage),
     ``None`` all of them. Tensors are named ``"<i>.<name>"`` by the layer's index
     ``i`` in the whole model and layer ``i`` draws its initial values from
     ``numpy.random.default_rng([seed, i])``, so a stage holds exactly the
     tensors, with exactly the values, that the whole model holds for its layers.
     A tensor-parallel layer draws its full logical tensors from that stream and
-    keeps its slice (see :meth:`tensor_shards`).
+    keeps its slice (see [`tensor_shards`][mpishard.nn.LayerStack.tensor_shards]).
 
     Activations between layers may have any shape (``(rows, features)`` for an
     MLP, ``(batch, tokens, d_model)`` for a GPT). The loss is the mean over all
     positions but the last axis of the final output (rows; or batch x tokens).
 
     **Whole model** (``stage_layers`` None or covering every layer): the
-    :class:`~mpishard.protocols.BucketedModel` protocol, ``forward(x)`` and
+    [`BucketedModel`][mpishard.protocols.BucketedModel] protocol, ``forward(x)`` and
     ``forward_backward(x, y, accumulate=False, loss_scale=1.0)``. Whole model or
-    stage: the :class:`~mpishard.protocols.ShardableModel` protocol
+    stage: the [`ShardableModel`][mpishard.protocols.ShardableModel] protocol
     (``bind_parameters``, ``set_parameter_hooks``), called around every layer's
     parameter reads in ``forward``, ``forward_stage`` and the backward.
 
@@ -85,9 +85,9 @@ class LayerStack:
       so the caller may reuse its receive buffer) and returns the output
       activations, a buffer of the slot that stays valid until the slot's next
       ``forward_stage``. Consumes the batch context of
-      :meth:`set_batch_context`: set it before each micro-batch when the model
-      has dropout (step, the micro-batch's first row in the global batch, and
-      the global batch size).
+      [`set_batch_context`][mpishard.nn.LayerStack.set_batch_context]: set it before each
+      micro-batch when the model has dropout (step, the micro-batch's first row in the global batch,
+      and the global batch size).
     * ``loss(y, micro)`` (last stage only): the mean loss of the slot's output
       against ``y``; keeps d(loss)/d(output) for ``backward_stage``.
     * ``backward_stage(grad_out, micro, accumulate=False)``: backward through

@@ -1,16 +1,16 @@
 """Megatron-style tensor parallelism: column- and row-parallel Linear, vocabulary-parallel
-cross-entropy, and :class:`ParallelMLP`.
+cross-entropy, and [`ParallelMLP`][mpishard.nn.ParallelMLP].
 
 The group of ``p`` tensor-parallel ranks is given as a
-:class:`~mpishard.comm.FlatComm` (``tp_comm``); every rank of it sees the same
+[`FlatComm`][mpishard.comm.FlatComm] (``tp_comm``); every rank of it sees the same
 input rows. Megatron's two conjugate operators place the communication:
 
 * ``f``: identity in forward, Allreduce of the input gradient in backward. It
-  sits before a :class:`ColumnParallelLinear` (or the three projections of an
-  attention), whose input is the full activation held on every rank.
+  sits before a [`ColumnParallelLinear`][mpishard.nn.ColumnParallelLinear] (or the three projections
+  of an attention), whose input is the full activation held on every rank.
 * ``g``: Allreduce in forward, identity in backward. It sits after a
-  :class:`RowParallelLinear`, which multiplies a split activation by its rows of
-  the weight and so holds a partial sum of the output.
+  [`RowParallelLinear`][mpishard.nn.RowParallelLinear], which multiplies a split activation by its
+  rows of the weight and so holds a partial sum of the output.
 
 A column-parallel Linear followed by a row-parallel one (an MLP, an attention)
 therefore costs one Allreduce in forward and one in backward, each of the size
@@ -21,7 +21,7 @@ identical on every rank.
 
 With ``tp_comm=None`` (or a group of one) the layers are plain layers and
 communicate nothing; their parameters and results equal those of
-:class:`~mpishard.nn.Linear` exactly.
+[`Linear`][mpishard.nn.Linear] exactly.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import numpy as np
 
 from ..comm import FlatComm, from_comm
 from .activations import GELU, ReLU, Tanh
-from .base import BatchContext, Layer, finish_gradient, store_gradient
+from .base import BatchContext, Layer
 from .dropout import Dropout
 from .layers import LayerNorm, Linear
-from .losses import Loss, MSELoss, SoftmaxCrossEntropy
+from .losses import Loss, MSELoss, SoftmaxCrossEntropy, check_labels
 from .model_methods import Described
 from .shards import TensorShard, split_range
 from .stack import LayerStack
@@ -53,7 +53,7 @@ __all__ = [
 
 
 def tensor_parallel_comm(comm: Any) -> FlatComm | None:
-    """``comm`` as a :class:`FlatComm`: a FlatComm, an mpi4py communicator
+    """``comm`` as a [`FlatComm`][mpishard.comm.FlatComm]: a FlatComm, an mpi4py communicator
     (``config.groups.tp``, named "tensor-parallel"), or None (no tensor parallelism).
 
     Raises:
@@ -95,7 +95,7 @@ def draw_linear(rng: np.random.Generator, layer: Layer, shapes: dict[str, tuple[
     """Draw a Linear's full weight (then bias) from ``rng`` and keep the layer's slices.
 
     ``init_std=None``: PyTorch's ``nn.Linear`` default, uniform in
-    ``[-1/sqrt(fan_in), 1/sqrt(fan_in)]`` for both, as :class:`Linear`;
+    ``[-1/sqrt(fan_in), 1/sqrt(fan_in)]`` for both, as [`Linear`][mpishard.nn.Linear];
     otherwise weight normal with that deviation and bias zero (GPT-2).
     """
     for name, shape in shapes.items():
@@ -115,7 +115,53 @@ def _divisible(what: str, n: int, p: int) -> str | None:
     return None
 
 
-class ColumnParallelLinear(Layer):
+class _SplitLinear(Linear):
+    """A [`Linear`][mpishard.nn.Linear] whose weight is split over the
+    tensor-parallel group along ``split_axis`` (1: output features, 0: input
+    features).
+
+    Shapes, buffers, initialisation and the parameter gradients are shared
+    (the gradients are `Linear`'s on this rank's slice); the subclasses add
+    where the communication goes.
+    """
+
+    #: The weight's axis split over the ranks.
+    split_axis: int
+    _CONFIG = ("in_features", "out_features", "bias", "init_std")
+
+    def __init__(self, in_features: int, out_features: int, tp_comm: FlatComm | None = None,
+                 bias: bool = True, *, init_std: float | None = None) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.tp_comm = tensor_parallel_comm(tp_comm)
+        self.tp_size, self.tp_rank = _size_rank(self.tp_comm)
+        columns = self.split_axis == 1
+        problem = _divisible("out_features" if columns else "in_features",
+                             out_features if columns else in_features, self.tp_size)
+        if problem is not None:
+            raise ValueError(f"{type(self).__name__}({in_features}, {out_features}): {problem}")
+        if columns:
+            self.local_out = self.out_features // self.tp_size
+        else:
+            self.local_in = self.in_features // self.tp_size
+        self.init_std = init_std
+
+    def init_params(self, rng: np.random.Generator) -> None:
+        shapes = {"weight": (self.in_features, self.out_features)}
+        if self.bias:
+            shapes["bias"] = (self.out_features,)
+        draw_linear(rng, self, shapes, self.init_std, self.in_features)
+
+    def config(self) -> dict[str, Any]:
+        """The logical layer: ``tp_comm`` is not recorded (a communicator is not
+        data), so the layer rebuilt from it is the whole, unsplit one."""
+        return super().config()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.in_features}, {self.out_features}, "
+                f"tp={self.tp_rank}/{self.tp_size}, bias={self.bias})")
+
+
+class ColumnParallelLinear(_SplitLinear):
     """``y = x @ W + b`` with the **output features split** over the tensor-parallel group.
 
     Rank ``r`` of ``p`` holds ``W[:, r*out/p:(r+1)*out/p]`` and that slice of
@@ -126,7 +172,7 @@ class ColumnParallelLinear(Layer):
     computed and waited for after (the Allreduce overlaps that matmul).
     ``reduce_input_grad=False`` leaves the reduction to the caller.
 
-    Initialisation draws the full ``(in, out)`` weight as :class:`Linear` does
+    Initialisation draws the full ``(in, out)`` weight as [`Linear`][mpishard.nn.Linear] does
     (or normal with ``init_std`` and zero bias) and keeps its slice, so the
     model does not depend on ``p``.
 
@@ -134,33 +180,14 @@ class ColumnParallelLinear(Layer):
         ValueError: ``out_features`` not divisible by ``p``; not positive sizes.
     """
 
-    #: The bias may be left to the activation after it (as :class:`Linear`'s).
-    folds_bias = True
-    defer_bias = False
+    split_axis = 1
+    _CONFIG = ("in_features", "out_features", "bias", "reduce_input_grad", "init_std")
 
     def __init__(self, in_features: int, out_features: int, tp_comm: FlatComm | None = None,
                  bias: bool = True, *, reduce_input_grad: bool = True,
                  init_std: float | None = None) -> None:
-        if in_features < 1 or out_features < 1:
-            raise ValueError(f"expecting positive feature counts, got "
-                             f"in_features={in_features}, out_features={out_features}")
-        self.tp_comm = tensor_parallel_comm(tp_comm)
-        self.tp_size, self.tp_rank = _size_rank(self.tp_comm)
-        problem = _divisible("out_features", out_features, self.tp_size)
-        if problem is not None:
-            raise ValueError(f"ColumnParallelLinear({in_features}, {out_features}): {problem}")
-        self.in_features = int(in_features)
-        self.out_features = int(out_features)
-        self.local_out = self.out_features // self.tp_size
-        self.bias = bool(bias)
+        super().__init__(in_features, out_features, tp_comm, bias, init_std=init_std)
         self.reduce_input_grad = reduce_input_grad
-        self.init_std = init_std
-
-    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        shapes = [("weight", (self.in_features, self.local_out))]
-        if self.bias:
-            shapes.append(("bias", (self.local_out,)))
-        return shapes
 
     def local_shards(self) -> dict[str, TensorShard]:
         p, r = self.tp_size, self.tp_rank
@@ -170,49 +197,14 @@ class ColumnParallelLinear(Layer):
             shards["bias"] = TensorShard.split("bias", (self.out_features,), 0, p, r)
         return shards
 
-    def init_params(self, rng: np.random.Generator) -> None:
-        shapes = {"weight": (self.in_features, self.out_features)}
-        if self.bias:
-            shapes["bias"] = (self.out_features,)
-        draw_linear(rng, self, shapes, self.init_std, self.in_features)
-
-    def output_features(self, in_features: int) -> int:
-        if in_features != self.in_features:
-            raise ValueError(f"layer {self.index} (ColumnParallelLinear) expects "
-                             f"{self.in_features} input features, got {in_features}")
-        return self.local_out
-
-    def allocate(self, rows: int, in_features: int, train: bool,
-                 need_dx: bool) -> dict[str, Any]:
-        xp = self.xp
-        buf = {"y": xp.empty((rows, self.local_out), dtype=self.dtype)}
-        if train and need_dx:
-            buf["dx"] = xp.empty((rows, self.in_features), dtype=self.dtype)
-        return buf
-
-    def forward(self, x: Any, buf: dict[str, Any], ctx: BatchContext | None) -> Any:
-        y = buf["y"]
-        self.xp.matmul(x, self.params["weight"], out=y)
-        if self.bias and not self.defer_bias:
-            y += self.params["bias"]
-        buf["x"] = x
-        return y
-
     def backward_params(self, dy: Any, buf: dict[str, Any], grads: dict[str, Any],
                         scratch: dict[str, Any] | None) -> None:
-        xp = self.xp
         if "dx" in buf:
             # The input gradient first, so its Allreduce runs during the weight matmul.
-            xp.matmul(dy, self.params["weight"].T, out=buf["dx"])
+            self.xp.matmul(dy, self.params["weight"].T, out=buf["dx"])
             if self.reduce_input_grad and self.tp_size > 1:
                 buf["pending"] = self.tp_comm.Iallreduce(buf["dx"], slot="tp")
-        out = store_gradient(grads["weight"], scratch, "weight")
-        xp.matmul(buf["x"].T, dy, out=out)
-        finish_gradient(xp, grads["weight"], out)
-        if self.bias:
-            out = store_gradient(grads["bias"], scratch, "bias")
-            xp.sum(dy, axis=0, out=out)
-            finish_gradient(xp, grads["bias"], out)
+        super().backward_params(dy, buf, grads, scratch)
 
     def backward_input(self, dy: Any, buf: dict[str, Any]) -> Any:
         pending = buf.pop("pending", None)
@@ -220,79 +212,28 @@ class ColumnParallelLinear(Layer):
             pending.wait()
         return buf["dx"]
 
-    def config(self) -> dict[str, Any]:
-        """The logical layer: ``tp_comm`` is not recorded (a communicator is not
-        data), so the layer rebuilt from it is the whole, unsplit one."""
-        return {"class": "ColumnParallelLinear", "args": {
-            "in_features": self.in_features, "out_features": self.out_features,
-            "bias": self.bias, "reduce_input_grad": self.reduce_input_grad,
-            "init_std": self.init_std}}
 
-    def __repr__(self) -> str:
-        return (f"ColumnParallelLinear({self.in_features}, {self.out_features}, "
-                f"tp={self.tp_rank}/{self.tp_size}, bias={self.bias})")
-
-
-class RowParallelLinear(Layer):
+class RowParallelLinear(_SplitLinear):
     """``y = x @ W + b`` with the **input features split** over the tensor-parallel group.
 
     Rank ``r`` of ``p`` holds ``W[r*in/p:(r+1)*in/p, :]`` and reads the matching
-    features of a split input (the output of a :class:`ColumnParallelLinear`).
-    Forward: the partial products are all-reduced over ``tp_comm`` (Megatron's
-    ``g``) and the bias, held in full on every rank, is added after the
-    reduction. Backward: identity (no communication); the input gradient is
+    features of a split input (the output of a
+    [`ColumnParallelLinear`][mpishard.nn.ColumnParallelLinear]). Forward: the partial products are
+    all-reduced over ``tp_comm`` (Megatron's ``g``) and the bias, held in full on every rank, is
+    added after the reduction. Backward: identity (no communication); the input gradient is
     this rank's features only.
 
     Raises:
         ValueError: ``in_features`` not divisible by ``p``; not positive sizes.
     """
 
-    def __init__(self, in_features: int, out_features: int, tp_comm: FlatComm | None = None,
-                 bias: bool = True, *, init_std: float | None = None) -> None:
-        if in_features < 1 or out_features < 1:
-            raise ValueError(f"expecting positive feature counts, got "
-                             f"in_features={in_features}, out_features={out_features}")
-        self.tp_comm = tensor_parallel_comm(tp_comm)
-        self.tp_size, self.tp_rank = _size_rank(self.tp_comm)
-        problem = _divisible("in_features", in_features, self.tp_size)
-        if problem is not None:
-            raise ValueError(f"RowParallelLinear({in_features}, {out_features}): {problem}")
-        self.in_features = int(in_features)
-        self.out_features = int(out_features)
-        self.local_in = self.in_features // self.tp_size
-        self.bias = bool(bias)
-        self.init_std = init_std
-
-    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        shapes = [("weight", (self.local_in, self.out_features))]
-        if self.bias:
-            shapes.append(("bias", (self.out_features,)))
-        return shapes
+    split_axis = 0
+    #: The bias is added after the reduction: it cannot be left to the activation.
+    folds_bias = False
 
     def local_shards(self) -> dict[str, TensorShard]:
         return {"weight": TensorShard.split("weight", (self.in_features, self.out_features),
                                             0, self.tp_size, self.tp_rank)}
-
-    def init_params(self, rng: np.random.Generator) -> None:
-        shapes = {"weight": (self.in_features, self.out_features)}
-        if self.bias:
-            shapes["bias"] = (self.out_features,)
-        draw_linear(rng, self, shapes, self.init_std, self.in_features)
-
-    def output_features(self, in_features: int) -> int:
-        if in_features != self.local_in:
-            raise ValueError(f"layer {self.index} (RowParallelLinear) expects {self.local_in} "
-                             f"input features (its part of {self.in_features}), got "
-                             f"{in_features}")
-        return self.out_features
-
-    def allocate(self, rows: int, in_features: int, train: bool,
-                 need_dx: bool) -> dict[str, Any]:
-        xp = self.xp
-        buf = {"y": xp.empty((rows, self.out_features), dtype=self.dtype)}
-        if train and need_dx:
-            buf["dx"] = xp.empty((rows, self.local_in), dtype=self.dtype)
-        return buf
 
     def forward(self, x: Any, buf: dict[str, Any], ctx: BatchContext | None) -> Any:
         y = buf["y"]
@@ -303,33 +244,6 @@ class RowParallelLinear(Layer):
             y += self.params["bias"]
         buf["x"] = x
         return y
-
-    def backward_params(self, dy: Any, buf: dict[str, Any], grads: dict[str, Any],
-                        scratch: dict[str, Any] | None) -> None:
-        xp = self.xp
-        out = store_gradient(grads["weight"], scratch, "weight")
-        xp.matmul(buf["x"].T, dy, out=out)
-        finish_gradient(xp, grads["weight"], out)
-        if self.bias:
-            out = store_gradient(grads["bias"], scratch, "bias")
-            xp.sum(dy, axis=0, out=out)
-            finish_gradient(xp, grads["bias"], out)
-
-    def backward_input(self, dy: Any, buf: dict[str, Any]) -> Any:
-        dx = buf["dx"]
-        self.xp.matmul(dy, self.params["weight"].T, out=dx)
-        return dx
-
-    def config(self) -> dict[str, Any]:
-        """The logical layer: ``tp_comm`` is not recorded (a communicator is not
-        data), so the layer rebuilt from it is the whole, unsplit one."""
-        return {"class": "RowParallelLinear", "args": {
-            "in_features": self.in_features, "out_features": self.out_features,
-            "bias": self.bias, "init_std": self.init_std}}
-
-    def __repr__(self) -> str:
-        return (f"RowParallelLinear({self.in_features}, {self.out_features}, "
-                f"tp={self.tp_rank}/{self.tp_size}, bias={self.bias})")
 
 
 class VocabParallelCrossEntropy(Loss):
@@ -345,7 +259,8 @@ class VocabParallelCrossEntropy(Loss):
     communication. Megatron uses three Allreduces (max, target logit, sum of
     exponentials); this is one collective of the same size.
 
-    With ``tp_comm=None`` it equals :class:`SoftmaxCrossEntropy` to rounding.
+    With ``tp_comm=None`` it equals [`SoftmaxCrossEntropy`][mpishard.nn.SoftmaxCrossEntropy] to
+    rounding.
     """
 
     def __init__(self, vocab_size: int, tp_comm: FlatComm | None = None) -> None:
@@ -370,12 +285,7 @@ class VocabParallelCrossEntropy(Loss):
         }
 
     def check_target(self, target: Any, rows: int, features: int) -> Any:
-        if target.dtype.kind not in "iu":
-            raise TypeError(f"VocabParallelCrossEntropy expects integer class labels, "
-                            f"got dtype {target.dtype}")
-        if target.shape != (rows,):
-            raise ValueError(f"expecting labels of shape ({rows},), got {target.shape}")
-        return target
+        return check_labels(self, target, rows)
 
     def loss_and_grad(self, out: Any, target: Any, buf: dict[str, Any]) -> tuple[Any, Any]:
         xp = self.xp
@@ -430,7 +340,7 @@ class _ColumnSliceDropout(Dropout):
     """Dropout after a column-parallel layer: this rank's columns of the full-width mask.
 
     The mask is drawn for the full width, exactly as the serial model's
-    :class:`Dropout` draws it, and columns ``[lo, hi)`` are used, so the
+    [`Dropout`][mpishard.nn.Dropout] draws it, and columns ``[lo, hi)`` are used, so the
     tensor-parallel model drops the same elements as the serial one.
     """
 
@@ -461,7 +371,7 @@ _LOSSES: dict[str, type[Loss]] = {"cross_entropy": SoftmaxCrossEntropy, "mse": M
 
 
 class ParallelMLP(Described, LayerStack):
-    """:class:`~mpishard.nn.MLP`, tensor-parallel over ``tp_comm`` and/or one pipeline stage.
+    """[`MLP`][mpishard.nn.MLP], tensor-parallel over ``tp_comm`` and/or one pipeline stage.
 
     Same arguments, layers, tensor names and initial values as ``MLP(sizes,
     ...)``; with ``tp_comm=None`` and ``stage_layers=None`` it *is* that MLP
@@ -474,7 +384,7 @@ class ParallelMLP(Described, LayerStack):
     columns; dropout there uses this rank's columns of the serial model's mask.
 
     ``stage_layers=(start, stop)`` builds top-level layers ``[start, stop)`` only
-    (see :class:`~mpishard.nn.stack.LayerStack` for the stage API);
+    (see [`LayerStack`][mpishard.nn.LayerStack] for the stage API);
     the indices are those of the MLP's layers (Linear, [LayerNorm], activation,
     [Dropout], Linear, ...).
 
@@ -538,7 +448,7 @@ class ParallelMLP(Described, LayerStack):
                          stage_layers=stage_layers)
 
     def config(self) -> dict[str, Any]:
-        """The whole model as JSON (:func:`~mpishard.nn.model_from_config` builds it).
+        """The whole model as JSON ([`model_from_config`][mpishard.nn.model_from_config] builds it).
 
         ``tp_comm`` and ``stage_layers`` are not recorded: a checkpoint holds the
         logical tensors of every stage, and the record describes that model, which

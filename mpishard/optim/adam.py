@@ -24,10 +24,10 @@ class Adam(FlatOptimizer):
 
     State: ``{"exp_avg": m, "exp_avg_sq": v}``.
 
-    The update (:func:`mpishard.kernels.optim.adam_update`) reads ``params``,
-    ``grads``, ``m``, ``v`` and writes ``params``, ``m``, ``v`` once each: in one
+    The update ([`mpishard.kernels.optim.adam_update`][mpishard.kernels.optim.adam_update]) reads
+    ``params``, ``grads``, ``m``, ``v`` and writes ``params``, ``m``, ``v`` once each: in one
     fused pass, or, in its NumPy twin, in cache-sized chunks
-    (:data:`~mpishard.optim.base.CHUNK_ELEMENTS`), with ``grad_scale`` and the bias
+    (`CHUNK_ELEMENTS`), with ``grad_scale`` and the bias
     corrections folded into scalar factors. The results equal PyTorch's formula up
     to rounding (the factors are grouped differently), and are bit-identical for
     either implementation, any chunking and any split of the vector into
@@ -80,7 +80,7 @@ class Adam(FlatOptimizer):
 class AdamW(Adam):
     """AdamW, as ``torch.optim.AdamW``: decoupled weight decay.
 
-    ``params *= 1 - lr * weight_decay``, then the :class:`Adam` step with
+    ``params *= 1 - lr * weight_decay``, then the [`Adam`][mpishard.optim.Adam] step with
     ``g = grads * grad_scale`` (no L2 term).
     """
 

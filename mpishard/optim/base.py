@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 #: Elements per chunk on the host, for the NumPy twins of the updates
-#: (:mod:`mpishard.kernels.optim`; the fused kernels make one unchunked pass).
+#: (`mpishard.kernels.optim`; the fused kernels make one unchunked pass).
 #: A twin does about a dozen in-place NumPy passes over each chunk; the chunk's
 #: slices of the parameters, gradients, state and scratch must stay in cache
 #: between those passes, so that main memory is read and written once per
@@ -99,7 +99,9 @@ class FlatOptimizer:
         self._scratch = ScratchBuffers(self.scratch_count)
 
     def hyperparameters(self) -> dict[str, Any]:
-        """A JSON-serialisable dict that :func:`optimizer_from_hyperparameters` reads back."""
+        """A JSON-serialisable dict that
+        [`optimizer_from_hyperparameters`][mpishard.optim.optimizer_from_hyperparameters] reads
+        back."""
         out: dict[str, Any] = {"name": type(self).__name__}
         for f in fields(self):
             if f.init and f.name != "chunk_size":

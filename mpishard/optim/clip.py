@@ -76,8 +76,8 @@ def sum_of_squares(x: Any, scratch: Any = None) -> float:
 def all_finite(x: Any) -> bool:
     """Whether every element of ``x`` is finite (no NaN, no infinity). Local.
 
-    Cheaper than :func:`sum_of_squares` where no norm is needed (the check of a
-    step without clipping): a dot product of each chunk with itself in the
+    Cheaper than [`sum_of_squares`][mpishard.optim.sum_of_squares] where no norm is needed (the
+    check of a step without clipping): a dot product of each chunk with itself in the
     vector's own precision (BLAS; 0.22 ms for 1.9M float32 here, against 1.6 ms
     for the float64 sum of squares). A NaN or infinity anywhere makes that dot
     non-finite; a dot that overflowed on large finite values is told apart by

@@ -8,10 +8,6 @@ nothing of data sets, checkpoints or training loops (the layers above:
 classes, one per name).
 """
 
-from .._deprecated import forward_names
-from . import base as _base
-from . import ddp as _ddp
-from . import zero2 as _zero2
 from .base import DataParallelCore, DataParallelOptions
 from .ddp import DDPCore
 from .hybrid import (
@@ -40,10 +36,3 @@ __all__ = [
     "ZeRO3Options",
     "choose_reduce_method",
 ]
-
-# 0.4's names of the cores (the public classes are mpishard.strategies'): one version more.
-__getattr__ = forward_names(__name__, {
-    "DDPOptimizer": (_ddp, "DDPCore"),
-    "ZeRO2Optimizer": (_zero2, "ZeRO2Core"),
-    "DataParallelOptimizer": (_base, "DataParallelCore"),
-})

@@ -24,7 +24,7 @@ from ..flat import Range, bucket_ranges
 from ..optim.base import CHUNK_ELEMENTS, DEVICE_CHUNK_ELEMENTS
 from ..optim.clip import all_finite, clip_coefficient, sum_of_squares
 from ..protocols import BucketedModel, Model, Optimizer
-from .overlap import OVERLAP_CHOICES, choose_overlap
+from .overlap import OVERLAP_CHOICES, decide_overlap
 from .repro import ReproducibleStep
 
 __all__ = ["NONFINITE_POLICIES", "DataParallelCore", "DataParallelOptions"]
@@ -52,13 +52,15 @@ class DataParallelOptions:
         max_grad_norm: clip by the global gradient norm (None: no clipping).
         schedule: ``step -> factor`` of the learning rate.
         overlap: ``"auto"`` (DDP's default): reduce gradient buckets during
-            the backward or after it, whichever a stand-in backward measured
-            faster at attach (:mod:`mpishard.parallel.overlap`;
-            ``overlap_timings``, ``bucketed``); True (ZeRO's default, see
-            :class:`~mpishard.parallel.zero2.ZeRO2Options`): during it (library
-            models only); False: after it. The two ways may add in a different
-            order on 3 or more ranks: pin one where two runs must agree bit for
-            bit, or train with ``ShardingConfiguration(reproducible=True)``.
+            the backward or after it, as recorded for the layout, modelled, or
+            measured by a stand-in backward within a budget at attach
+            (:mod:`mpishard.parallel.overlap`; ``overlap_timings``,
+            ``bucketed``); ``"measure"``: always the stand-in, unbounded; True
+            (ZeRO's default, see :class:`~mpishard.parallel.zero2.ZeRO2Options`):
+            during it (library models only); False: after it. The two ways may
+            add in a different order on 3 or more ranks: pin one where two runs
+            must agree bit for bit, or train with
+            ``ShardingConfiguration(reproducible=True)``.
         nonfinite: ``"error"`` (a NaN or infinite loss or gradient norm raises
             :class:`~mpishard.errors.NonFiniteError` on every rank) or ``"skip"``
             (no update on any rank; counted in ``skipped_steps``).
@@ -88,7 +90,7 @@ class DataParallelOptions:
         if self.nonfinite not in NONFINITE_POLICIES:
             return f"nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}"
         if not any(self.overlap is c for c in OVERLAP_CHOICES):
-            return f"overlap must be True, False or 'auto', got {self.overlap!r}"
+            return f"overlap must be True, False, 'auto' or 'measure', got {self.overlap!r}"
         return None
 
 
@@ -244,6 +246,7 @@ class DataParallelCore:
                 1-D arrays (on every rank).
             MpiShardError: the parameter count or dtype differs between ranks.
         """
+        started = time.perf_counter()
         self.dp.agree(_model_problem(model), TypeError)
         n, dtype = model.params.size, model.params.dtype.str
         every = self.dp.allgather((n, dtype))
@@ -265,15 +268,17 @@ class DataParallelCore:
         self._batch_context = hasattr(model, "set_batch_context")
         bucket_elements = max(1, int(self.bucket_mb * 2**20) // model.params.itemsize)
         ranges = bucket_ranges(model.layout, bucket_elements)
-        #: overlap="auto": what was measured at attach (.overlap: the stand-in backward).
+        #: overlap="auto" or "measure": how it was decided (.overlap.decide_overlap).
         self.overlap_timings: dict[str, Any] = {}
-        if self.overlap == "auto" and can_overlap:
-            self.bucketed = choose_overlap(self.dp, self._step_group(), ranges,
+        if isinstance(self.overlap, str) and can_overlap:   # "auto" or "measure"
+            self.bucketed = decide_overlap(self.dp, self._step_group(), ranges,
                                            model.params.dtype, self.xp, self._probe_kind(),
-                                           self._slots, self.overlap_timings)
+                                           self._slots, self.overlap_timings,
+                                           nodes=self.config.groups.nodes,
+                                           measure=self.overlap == "measure")
         else:
             self.bucketed = can_overlap and self.overlap is True
-            if self.overlap == "auto":
+            if isinstance(self.overlap, str):
                 self.overlap_timings.update(choice=False, reason=(
                     "reproducible mode" if self.config.reproducible else
                     "the model has no backward hooks or no loss_scale"))
@@ -285,6 +290,8 @@ class DataParallelCore:
         self._repro = ReproducibleStep(self) if self.config.reproducible else None
         self._setup_step()
         self._peak_bytes = max(self._peak_bytes, self._current_bytes())
+        #: Seconds the last attach took on this rank (the run header prints it).
+        self.attach_seconds = time.perf_counter() - started
 
     def _setup_step(self) -> None:
         """The step's reduction buffer, who is who in it, and the norm's ranges."""

@@ -26,7 +26,7 @@ class PipelineStage:
     simulates it). Collective over ``pp``.
 
     The stage model implements the stage API of
-    :class:`~mpishard.nn.stack.LayerStack`.
+    [`LayerStack`][mpishard.nn.LayerStack].
     """
 
     def __init__(self, model: Any, pp: FlatComm, micro_batches: int, schedule_name: str) -> None:

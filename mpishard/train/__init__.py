@@ -1,8 +1,7 @@
-"""The one training loop (:func:`run_training`), behind every ``optimize()``,
-``ElasticOptimizer`` and ``mpishard train``: feeding, reporting and the step loop,
+"""The one training loop ([`run_training`][mpishard.train.loop.run_training]), behind every
+``optimize()``, ``ElasticOptimizer`` and ``mpishard train``: feeding, reporting and the step loop,
 its option groups, its result, stop requests and evaluation."""
 
-from .._deprecated import forward_names
 from .evaluate import evaluate
 from .loop import run_training
 from .options import Checkpointing, Reporting, Sampling
@@ -10,7 +9,7 @@ from .progress import interactive_output, peak_rss_bytes
 from .result import TrainResult
 from .signals import StopRequest
 
-#: The former name of :class:`TrainResult` (``run_training``'s report); the same class.
+#: The former name of `TrainResult` (``run_training``'s report); the same class.
 TrainingReport = TrainResult
 
 __all__ = [
@@ -25,9 +24,3 @@ __all__ = [
     "peak_rss_bytes",
     "run_training",
 ]
-
-
-# 0.4 exported the elastic optimizer here; it lives in mpishard.strategies now
-# (a layer above, named by its path).
-__getattr__ = forward_names(__name__, {name: ("mpishard.strategies.elastic", name)
-                                       for name in ("ElasticOptimizer", "BATCH_POLICIES")})

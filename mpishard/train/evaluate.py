@@ -14,9 +14,9 @@ __all__ = ["evaluate"]
 
 def evaluate(model: Any, x: Any, y: Any, batch: int = 32) -> float:
     """Mean loss of ``model`` on ``(x, y)``, computed in float64 with
-    :mod:`mpishard.nn.losses`: :class:`~mpishard.nn.SoftmaxCrossEntropy` for
+    `mpishard.nn.losses`: [`SoftmaxCrossEntropy`][mpishard.nn.SoftmaxCrossEntropy] for
     integer targets (logits ``(..., classes)``, targets ``(...)``, as a GPT's;
-    the mean over every predicted position), :class:`~mpishard.nn.MSELoss`
+    the mean over every predicted position), [`MSELoss`][mpishard.nn.MSELoss]
     otherwise (the mean over every output element). Evaluated ``batch`` rows at
     a time (a GPT's activations for a whole validation set would take hundreds of
     MiB); works on NumPy and CuPy models alike. Collective wherever the model's

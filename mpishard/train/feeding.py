@@ -1,8 +1,8 @@
 """Feeding the loop: this rank's rows of each global batch, and the data position.
 
-A dataset (an ``(x, y)`` pair, a :class:`~mpishard.protocols.Dataset` or a
-:class:`~mpishard.protocols.CollectiveDataset`) is read through the resumable
-sampler (:mod:`mpishard.data.sampler`); a :class:`~mpishard.data.BatchStream` one
+A dataset (an ``(x, y)`` pair, a [`Dataset`][mpishard.protocols.Dataset] or a
+[`CollectiveDataset`][mpishard.protocols.CollectiveDataset]) is read through the resumable
+sampler (`mpishard.data.sampler`); a [`BatchStream`][mpishard.data.BatchStream] one
 global batch per step, as it comes. The rules (epochs are a total, the data
 position wins, data may grow, streams) are on the docs site's training-loop page.
 """
@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from ..comm.stuck import reading_data_source
 from ..data import (
     ArrayDataset,
     BatchStream,
@@ -99,9 +100,10 @@ class Feeder:
         core = self.core
         if self.stream is not None:
             try:
-                got = self.stream.read(core.config.world, core.dp, core.xp,
-                                       core.dtype, batch_size=self.batch_size,
-                                       equal_parts=self.parts if self.pipeline > 1 else 1)
+                got = reading_data_source(
+                    self.stream.read, core.config.world, core.dp, core.xp, core.dtype,
+                    batch_size=self.batch_size,
+                    equal_parts=self.parts if self.pipeline > 1 else 1)
             finally:
                 # A refused batch was read from the iterator too: the position
                 # counts it (the stream's index is past it), as the caller's does.
@@ -111,10 +113,12 @@ class Feeder:
         lo, hi = rank_rows(rows, core.dp.size, core.dp.rank)
         n = hi - lo
         x, y = (self.x, self.y) if n == self.local else (self.x[:n], self.y[:n])
+        # Through reading_data_source: a rank stuck in the user's data is named so.
         if self.collective:   # the rows come from the ranks that hold them
-            self.dataset.gather_batch(self.sampler.batch_indices(0, rows), x, y)
+            reading_data_source(self.dataset.gather_batch,
+                                self.sampler.batch_indices(0, rows), x, y)
         else:
-            self.dataset.gather(self.sampler.batch_indices(lo, hi), x, y)
+            reading_data_source(self.dataset.gather, self.sampler.batch_indices(lo, hi), x, y)
         return Batch(x, y, lo, rows)
 
     def advance(self, rows: int) -> bool:
@@ -151,8 +155,9 @@ def _open_dataset(core: StrategyCore, data: Any, epochs: Any, batch_size: Any,
         try:   # an (inputs, targets) pair; the same check on every rank
             dataset = ArrayDataset(*data)
         except (TypeError, ValueError) as exc:
-            problem = (f"expecting an (inputs, targets) pair of arrays, a Dataset, a "
-                       f"LocalDataset or a BatchStream: {exc}")
+            problem = (f"expecting an (inputs, targets) pair of arrays (or of lists of "
+                       f"numbers, converted once), a Dataset, a LocalDataset or a "
+                       f"BatchStream: {exc}")
     world.agree(problem, ValueError)
     problem, sampler, split = None, None, None
     # Every rank must see the same number of samples (a stream appended to on

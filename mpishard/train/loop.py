@@ -4,8 +4,8 @@
 Its rules (epochs are a total, the data position wins, data may grow, streams,
 stops, checkpoints, callbacks, the metrics records, a lost rank) are stated once,
 on the docs site's training-loop page (``docs/guide/training-loop.md``). Feeding
-is :mod:`~mpishard.train.feeding`'s, reporting :mod:`~mpishard.train.reporting`'s,
-what happens after a lost rank :mod:`mpishard.recovery`'s.
+is [`feeding`][mpishard.train.feeding]'s, reporting [`reporting`][mpishard.train.reporting]'s,
+what happens after a lost rank [`mpishard.recovery`][mpishard.recovery]'s.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
     or the callback. Collective over ``strategy.config.world``.
 
     ``data``, ``epochs``, ``batch_size`` and ``callback(step, loss)`` are
-    ``optimize()``'s (:meth:`mpishard.strategies.Strategy.optimize`); ``stop`` is
-    agreed on over the world after every step; the option groups are
-    :class:`~mpishard.train.Sampling`, :class:`~mpishard.train.Reporting` and
-    :class:`~mpishard.train.Checkpointing`, or their fields given flat
-    (``shuffle=``, ``progress=``, ``checkpoints=``, ``checkpoint_every=``, ...).
-    The rules are on the docs site's training-loop page.
+    ``optimize()``'s
+    ([`mpishard.strategies.Strategy.optimize`][mpishard.strategies.base.Strategy.optimize]);
+    ``stop`` is agreed on over the world after every step; the option groups are
+    [`Sampling`][mpishard.train.Sampling], [`Reporting`][mpishard.train.Reporting] and
+    [`Checkpointing`][mpishard.train.Checkpointing], or their fields given flat (``shuffle=``,
+    ``progress=``, ``checkpoints=``, ``checkpoint_every=``, ...). The rules are on the docs site's
+    training-loop page.
 
     Raises:
         ValueError: on every rank, for data, batch size or epochs that cannot be
@@ -129,14 +130,24 @@ class _Saver:
         self.saved_at = core.step_count   # a resumed run has its starting point on disk
 
     def save(self, reason: str) -> str | None:
-        """A checkpoint at the current step, unless there is one or no manager."""
-        if self.manager is None or self.saved_at == self.core.step_count:
+        """A checkpoint at the current step, unless there is one or no manager;
+        but for an ``"interval"`` save, an asynchronous one is on disk on return."""
+        if self.manager is None:
             return None
-        path = self.manager.save(self.model, self.core)
-        self.saved_at = self.core.step_count
-        self.result.checkpoint = path
-        self.report.checkpoint(self.saved_at, path, reason)
+        path = None
+        if self.saved_at != self.core.step_count:
+            path = self.manager.save(self.model, self.core)
+            self.saved_at = self.core.step_count
+            self.result.checkpoint = path
+            self.report.checkpoint(self.saved_at, path, reason)
+        if reason != "interval":
+            self.manager.wait()
         return path
+
+    def poll(self) -> None:
+        """At a step boundary: commit an asynchronous save whose writes are done."""
+        if self.manager is not None and self.manager.async_:
+            self.manager.poll()
 
 
 class _Steps:
@@ -186,6 +197,7 @@ class _Steps:
         wants_stop = self.callback is not None and bool(self.callback(step, loss))
         if self.every and step % self.every == 0:
             self.saver.save("interval")
+        self.saver.poll()
         if self.stop is not None:
             result.stopped = self.stop.agree(core.config.world,
                                              "callback" if wants_stop else None)

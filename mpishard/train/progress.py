@@ -1,6 +1,6 @@
 """The pieces of what a run shows: the metrics file, a tqdm bar, clocks, memory.
 
-:class:`~mpishard.train.reporting.Reporter` uses them; the metrics records are
+[`Reporter`][mpishard.train.reporting.Reporter] uses them; the metrics records are
 listed on the docs site's training-loop page. Nothing here communicates.
 """
 

@@ -117,7 +117,7 @@ class Reporter:
             self._window = self._epoch = (time.perf_counter(), 0.0, 0, 0)
 
     def hand_over(self, over: HandOver, step: int) -> None:
-        """The process ends (:class:`~mpishard.errors.HandOver`): where the job
+        """The process ends ([`HandOver`][mpishard.errors.HandOver]): where the job
         stops with it (a non-zero exit), the ``end`` record says why."""
         if over.exit_code != 0:
             self.metrics.record("end", step=step, stopped=over.stopped, reason=str(over))

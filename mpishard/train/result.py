@@ -9,7 +9,7 @@ __all__ = ["TrainResult"]
 
 @dataclass
 class TrainResult:
-    """What :func:`~mpishard.train.run_training` returns, the same on every rank.
+    """What [`run_training`][mpishard.train.run_training] returns, the same on every rank.
 
     Attributes:
         losses: the global mean loss (over the rows of the global batch) of each
@@ -24,9 +24,9 @@ class TrainResult:
         samples: samples trained on by this call (all ranks together).
         stopped: why training ended before ``epochs`` epochs were complete:
             ``"SIGUSR1"``, ``"SIGTERM"`` (or the reason given to
-            :meth:`~mpishard.train.StopRequest.request`), ``"callback"`` (the
+            [`request`][mpishard.train.StopRequest.request]), ``"callback"`` (the
             callback returned True), ``"max_steps"``, or ``"exhausted"`` (a
-            :class:`~mpishard.data.BatchStream` ended: its normal end); ``None``
+            [`BatchStream`][mpishard.data.BatchStream] ended: its normal end); ``None``
             when every epoch ran.
         first_step, last_step: the strategy's step count when the call began and
             when it returned.
@@ -35,7 +35,7 @@ class TrainResult:
         recoveries: one ``recovered`` event (a dict: ``lost_ranks``, ``step``,
             ``world_size``, ``seconds``, ...) per lost rank this call went on
             without, in place (fault tolerance on; see
-            :func:`~mpishard.recovery.recover_in_place`); empty otherwise.
+            [`recover_in_place`][mpishard.recovery.recover_in_place]); empty otherwise.
     """
 
     losses: list[float] = field(default_factory=list)

@@ -12,16 +12,18 @@ __all__ = ["StopRequest"]
 
 
 class StopRequest:
-    """Turn ``signals`` (or :meth:`request`) into a stop at the next step boundary.
+    """Turn ``signals`` (or [`request`][mpishard.train.signals.StopRequest.request]) into a stop at
+    the next step boundary.
 
     A handler only records the signal's name; the training loop calls
-    :meth:`agree` after every step, so that any rank that got a signal stops
-    every rank after the same step (it does not matter whether the launcher
+    [`agree`][mpishard.train.signals.StopRequest.agree] after every step, so that any rank that got
+    a signal stops every rank after the same step (it does not matter whether the launcher
     signals one rank or all). Use as a context manager: the handlers are
     installed on entry and the previous ones come back on exit. Handlers can
-    only be installed from the main thread; elsewhere only :meth:`request` works.
-    ``SIGUSR1`` is what the elastic agent sends for a planned resize and Slurm
-    (``--signal``) before a time limit; ``SIGTERM`` comes with a preemption.
+    only be installed from the main thread; elsewhere only
+    [`request`][mpishard.train.signals.StopRequest.request] works. ``SIGUSR1`` is what the elastic
+    agent sends for a planned resize and Slurm (``--signal``) before a time limit; ``SIGTERM`` comes
+    with a preemption.
     """
 
     def __init__(self, signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM")) -> None:
@@ -43,7 +45,7 @@ class StopRequest:
         ``also`` is a reason of this rank's own (the callback asked to stop).
         One Allreduce of one integer a step; when some rank wants to stop, one
         broadcast of the lowest such rank's reason
-        (:meth:`FlatComm.first_finding <mpishard.comm.FlatComm.first_finding>`).
+        ([`FlatComm.first_finding`][mpishard.comm.FlatComm.first_finding]).
         Collective over ``world``.
         """
         mine = self.received or also

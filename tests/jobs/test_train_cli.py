@@ -101,6 +101,36 @@ def test_no_arguments_both_examples_learn(tmp_path):
 
 
 @LAUNCH
+def test_resume_with_more_epochs_says_the_schedule_in_one_line(tmp_path):
+    """``--resume`` with a larger ``--epochs`` (issue 34, item 2): the cosine schedule
+    is this run's (16 -> 32 steps, the warm-up 1 -> 3: what --epochs plans), and
+    rank 0 says so in one line with the jump of the learning rate; no warning with
+    its source line on stderr. The first resumed step's lr is the new schedule's."""
+    from mpishard.optim import CosineSchedule
+
+    common = ["train", "--example", "burgers", "--samples", "1024", "--batch-size", "64",
+              "--no-progress", "--log-every", "1", "--out", str(tmp_path)]
+    first = mpishard(2, *common, "--epochs", "1")
+    assert first.returncode == 0, first.stderr
+    again = mpishard(2, *common, "--epochs", "2", "--resume")
+    assert again.returncode == 0, again.stderr
+    lines = [line for line in (again.stdout + again.stderr).splitlines() if "schedule" in line]
+    said = [line for line in lines if "learning-rate schedule" in line]
+    assert len(said) == 1, again.stdout + again.stderr
+    assert ("this run's --epochs 2 plans CosineSchedule(total_steps=32, warmup_steps=3, "
+            "min_ratio=0.0); the checkpoint's was CosineSchedule(total_steps=16, "
+            "warmup_steps=1, min_ratio=0.0): the learning rate goes from 0 to ") in said[0], said
+    assert "Warning" not in again.stderr and "warnings.warn" not in again.stderr, again.stderr
+    assert "load_checkpoint(" not in again.stderr, again.stderr   # no source line
+    steps = {r["step"]: r for r in events(tmp_path / "burgers/metrics.jsonl", "step")}
+    assert steps[17]["lr"] == pytest.approx(2e-3 * CosineSchedule(32, 3)(17), rel=1e-12)
+    # The same --epochs again: the same schedule, nothing said.
+    same = mpishard(2, *common, "--epochs", "2", "--resume")
+    assert same.returncode == 0, same.stderr
+    assert "schedule:" not in same.stdout + same.stderr, same.stdout
+
+
+@LAUNCH
 def test_stop_and_resume_continue_exactly(tmp_path):
     """Stopped at step 5 and resumed, ZeRO-2 ends with the parameters of an
     uninterrupted run; resumed at another world size it goes on from step 5."""

@@ -18,7 +18,7 @@ import warnings
 import numpy as np
 import pytest
 from mpi4py import MPI
-from worlds import world_multiple_of
+from worlds import batch_splits, world_multiple_of
 
 from mpishard import CheckpointError, CheckpointWarning, ShardingConfiguration
 from mpishard.checkpoint import load_checkpoint, save_checkpoint
@@ -42,6 +42,7 @@ def _data(n=96, features=4, outputs=2, seed=3):
 
 
 @pytest.mark.mpi
+@batch_splits(24)
 def test_strategy_load_refuses_another_architecture_on_every_rank(mpi_tmp_path):
     path = os.path.join(str(mpi_tmp_path), "gelu.h5")
     config = ShardingConfiguration(WORLD)
@@ -65,6 +66,7 @@ def test_strategy_load_refuses_another_architecture_on_every_rank(mpi_tmp_path):
 
 
 @pytest.mark.mpi
+@batch_splits(24)
 def test_settings_warn_and_the_schedule_is_taken_from_the_file(mpi_tmp_path):
     path = os.path.join(str(mpi_tmp_path), "half.h5")
     data = _data()

@@ -145,6 +145,7 @@ CASES += [("zero2", "ddp", m, "serial") for m in (1, 3)] + [("ddp", "zero2", 2, 
 
 
 # Loading at m ranks needs a world of at least m.
+@batch_splits(BATCH)
 @pytest.mark.parametrize("writer,reader,m,driver",
                          [pytest.param(*case, marks=pytest.mark.mpi(min_size=case[2]))
                           for case in CASES])
@@ -210,6 +211,7 @@ def test_resume_at_any_size_and_strategy(writer, reader, m, driver, mpi_tmp_path
     WORLD.Barrier()
 
 
+@batch_splits(BATCH)
 def test_plain_h5py_reads_what_all_ranks_wrote(mpi_tmp_path):
     model = make_model()
     strategy = make_strategy("zero2", WORLD)
@@ -229,6 +231,7 @@ def test_plain_h5py_reads_what_all_ranks_wrote(mpi_tmp_path):
     WORLD.Barrier()
 
 
+@batch_splits(BATCH)
 def test_damaged_data_fails_on_every_rank_and_changes_nothing(mpi_tmp_path):
     model = make_model()
     strategy = make_strategy("zero2", WORLD)
@@ -297,6 +300,7 @@ def test_function_model_and_parameters_only(mpi_tmp_path):
     WORLD.Barrier()
 
 
+@batch_splits(BATCH)
 def test_manager_at_every_rank(mpi_tmp_path):
     folder = os.path.join(str(mpi_tmp_path), "run")
     model = make_model()

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 from strategies import STRATEGIES, whole
+from worlds import batch_splits
 
 from mpishard import ShardingConfiguration
 from mpishard.backend import to_numpy
@@ -106,6 +107,7 @@ def check(dist, expected) -> None:
     np.testing.assert_allclose(whole(dist), expected, rtol=1e-10, atol=1e-12)
 
 
+@batch_splits(BATCH)
 @pytest.mark.parametrize("strategy", ALL)
 @pytest.mark.parametrize("where", ["device", "host"])
 def test_arrays(xp, strategy, where):
@@ -119,6 +121,7 @@ def test_arrays(xp, strategy, where):
     check(dist, expected)
 
 
+@batch_splits(BATCH)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_device_data_of_another_dtype_is_cast(xp, strategy):
     """float32 inputs into a float64 model: the cast happens in the gather."""
@@ -131,6 +134,7 @@ def test_device_data_of_another_dtype_is_cast(xp, strategy):
     check(dist, expected)
 
 
+@batch_splits(BATCH)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_streaming_dataset(xp, strategy):
     """Rows appended between calls; each call trains one more epoch over all of them."""
@@ -170,6 +174,7 @@ def test_batch_stream(xp, strategy, local):
     check(dist, reference(batches))
 
 
+@batch_splits(BATCH)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_local_rows(xp, strategy):
     """Rank-local host rows, moved by Alltoallv, into a model on ``xp``."""
@@ -183,6 +188,7 @@ def test_local_rows(xp, strategy):
     check(dist, expected)
 
 
+@batch_splits(BATCH)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_hdf5_file(xp, strategy, tmp_path_factory):
     """Rows read from an HDF5 file, each rank its own, into a model on ``xp``."""

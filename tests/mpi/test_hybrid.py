@@ -112,8 +112,11 @@ def test_mlp_matches_serial(layout):
 
 @pytest.mark.mpi(min_size=2)   # model parallelism needs two ranks
 def test_memory_report_is_the_shard():
+    stages = [pp for pp in (4, 3, 2) if WORLD % pp == 0]
+    if not stages:
+        pytest.skip(f"a pipeline of 2, 3 or 4 stages does not tile {WORLD} ranks")
     config = ShardingConfiguration(MPI.COMM_WORLD, tensor_parallel_size=1,
-                                   pipeline_parallel_size=min(WORLD, 4))
+                                   pipeline_parallel_size=stages[0])
     model = HybridShardedModel(gpt_factory(), config)
     opt = HybridShardedOptimizer(make_opt(), config, model=model)
     report = opt.memory_report()

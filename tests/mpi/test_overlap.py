@@ -1,5 +1,7 @@
-"""``overlap="auto"``: the choice is measured, the same on every rank, and either
-choice trains the same as one process on the global batch.
+"""``overlap="measure"`` (the stand-in backward, as ``"auto"`` was in 0.5): the
+choice is measured, the same on every rank, and either choice trains the same as
+one process on the global batch; ``"auto"``'s defaults. How ``"auto"`` decides
+(records, model, budget): ``test_overlap_decision.py``.
 
 Run under ``mpirun -n N python -m pytest --with-mpi`` (N = 1, 2, 4).
 """
@@ -14,18 +16,26 @@ from mpi4py import MPI
 from reference import sampler_batches, train_serial
 from worlds import batch_splits
 
-import mpishard.parallel.base as base
+import mpishard.parallel.overlap as overlap
 from mpishard import ShardingConfiguration
 from mpishard.flat import bucket_ranges
 from mpishard.nn import MLP
 from mpishard.optim import Adam
-from mpishard.parallel.overlap import choose_overlap
+from mpishard.parallel.overlap import choose_overlap, forget_decisions
 from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer, ZeRO3Optimizer
 
 pytestmark = pytest.mark.mpi
 
 STRATEGIES = {"ddp": DDPOptimizer, "zero2": ZeRO2Optimizer}
 SIZES = [5, 7, 7, 3]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_decisions():
+    """Each test decides afresh (a decision is kept per layout for the process)."""
+    forget_decisions()
+    yield
+    forget_decisions()
 
 
 def make_data(n=64, features=5, classes=3, seed=1):
@@ -50,7 +60,7 @@ def test_auto_choice_agreed_and_results_unchanged(strategy, forced, monkeypatch)
     if forced is not None:
         # margin -10: "during" always wins; margin 1: never (a time is never < 0).
         margin = -10.0 if forced else 1.0
-        monkeypatch.setattr(base, "choose_overlap",
+        monkeypatch.setattr(overlap, "choose_overlap",
                             functools.partial(choose_overlap, margin=margin))
     data = make_data()
     make_model = functools.partial(MLP, SIZES, activation="tanh", dtype=np.float64, seed=7)
@@ -58,7 +68,7 @@ def test_auto_choice_agreed_and_results_unchanged(strategy, forced, monkeypatch)
     model = make_model()
     # Tiny buckets: each of the 3 layers its own bucket (the stand-in runs them all).
     dist = STRATEGIES[strategy](Adam(lr=3e-3), ShardingConfiguration(comm),
-                                bucket_mb=1e-4, overlap="auto")
+                                bucket_mb=1e-4, overlap="measure")
     dist.optimize(model, data, epochs=2, batch_size=16)
     np.testing.assert_allclose(model.params, ref, rtol=1e-10, atol=1e-12)
     timings = dist.overlap_timings
@@ -66,6 +76,7 @@ def test_auto_choice_agreed_and_results_unchanged(strategy, forced, monkeypatch)
     if comm.size == 1:
         assert timings["choice"] is False and "one rank" in timings["reason"]
         return
+    assert timings["source"] == "measured"
     assert timings["buckets"] == min(4, len(dist.buckets.ranges)) == 3
     assert timings["during"] > 0 and timings["after"] > 0 and timings["compute"] > 0
     if forced is None:
@@ -85,7 +96,8 @@ def test_auto_reproducible_and_bad_value():
                         model=MLP(SIZES, seed=1), overlap="auto")
     assert dist.bucketed is False
     assert dist.overlap_timings == {"choice": False, "reason": "reproducible mode"}
-    with pytest.raises(ValueError, match="overlap must be True, False or 'auto', got 'yes'"):
+    with pytest.raises(ValueError,
+                       match="overlap must be True, False, 'auto' or 'measure', got 'yes'"):
         DDPOptimizer(Adam(lr=1e-3), ShardingConfiguration(comm), overlap="yes")
 
 
@@ -109,19 +121,25 @@ def test_auto_with_a_data_group_without_buckets():
     assert len(set(every)) == 1, every
 
 
-def test_defaults_ddp_measures_zero_overlaps():
-    # Issue 21, finding 5.2: DDP's default is the measured choice; ZeRO-2 and ZeRO-3
-    # keep reducing during the backward (their gradient memory needs it).
+def test_defaults_ddp_decides_zero_overlaps(monkeypatch):
+    # Issue 21, finding 5.2: DDP's default is "auto"; ZeRO-2 and ZeRO-3 keep
+    # reducing during the backward (their gradient memory needs it). Issue 34,
+    # item 1: on one node with host arrays "auto" decides without the stand-in.
+    calls = []
+    monkeypatch.setattr(overlap, "choose_overlap",
+                        lambda *a, **k: calls.append(1) or choose_overlap(*a, **k))
     comm = MPI.COMM_WORLD
-    ddp = DDPOptimizer(Adam(lr=1e-3), ShardingConfiguration(comm), bucket_mb=1e-4,
+    config = ShardingConfiguration(comm)
+    ddp = DDPOptimizer(Adam(lr=1e-3), config, bucket_mb=1e-4,
                        model=MLP(SIZES, dtype=np.float64, seed=1))
+    timings = ddp.overlap_timings
+    assert ddp.bucketed is timings["choice"] is False
+    assert timings["source"] == "modelled" and calls == []
     if comm.size == 1:
-        assert ddp.bucketed is False and "one rank" in ddp.overlap_timings["reason"]
-    else:
-        timings = ddp.overlap_timings
-        assert timings["during"] > 0 and timings["after"] > 0
-        assert ddp.bucketed is timings["choice"]
+        assert "one rank" in timings["reason"]
+    else:   # 3 tiny buckets: "too small to gain" (before "one node")
+        assert timings["reason"].startswith("too small to gain"), timings
     for cls in (ZeRO2Optimizer, ZeRO3Optimizer):
-        zero = cls(Adam(lr=1e-3), ShardingConfiguration(comm), bucket_mb=1e-4,
+        zero = cls(Adam(lr=1e-3), config, bucket_mb=1e-4,
                    model=MLP(SIZES, dtype=np.float64, seed=1))
         assert zero.bucketed is True and zero.overlap_timings == {}, cls.__name__

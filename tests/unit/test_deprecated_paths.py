@@ -1,7 +1,7 @@
-"""The old import paths of 0.4 (kept until 0.6): each name read through one warns,
-names its new home, and is the new home's object; any other name is an
-AttributeError. The two whose new home is a layer above (mpishard.parallel.recovery,
-mpishard.train) import it only when the name is read (no static upward import)."""
+"""The old import paths of 0.4, forwarded with a warning in 0.5, are gone in 0.6
+(as the 0.5 changelog announced): an old module is a ModuleNotFoundError, an old
+name of a module that stays is an AttributeError, and the new home of each
+works."""
 
 from __future__ import annotations
 
@@ -9,33 +9,40 @@ import importlib
 
 import pytest
 
-OLD_PATHS = [
-    ("mpishard.parallel.recovery", "recover_in_place", "mpishard.recovery", "recover_in_place"),
-    ("mpishard.parallel.recovery", "ShardBuddy", "mpishard.recovery", "ShardBuddy"),
-    ("mpishard.train", "ElasticOptimizer", "mpishard.strategies.elastic", "ElasticOptimizer"),
+#: The modules that only forwarded (old module, its new home).
+GONE_MODULES = [
+    ("mpishard.hdf5data", "mpishard.data.hdf5"),
+    ("mpishard.groups", "mpishard.comm.groups"),
+    ("mpishard.nn.sharding", "mpishard.nn.stack"),
+    ("mpishard.checkpoint.strategy", "mpishard.checkpoint.state"),
+    ("mpishard.parallel.recovery", "mpishard.recovery"),
+    ("mpishard._deprecated", "mpishard"),
+]
+
+#: The names that modules still here forwarded (old module, name, new module, new name).
+GONE_NAMES = [
+    ("mpishard.nn", "ShardedSequential", "mpishard.nn", "LayerStack"),
+    ("mpishard.parallel", "DDPOptimizer", "mpishard.parallel", "DDPCore"),
+    ("mpishard.parallel", "ZeRO2Optimizer", "mpishard.parallel", "ZeRO2Core"),
+    ("mpishard.parallel", "DataParallelOptimizer", "mpishard.parallel", "DataParallelCore"),
+    ("mpishard.train", "ElasticOptimizer", "mpishard.strategies", "ElasticOptimizer"),
     ("mpishard.train", "BATCH_POLICIES", "mpishard.strategies.elastic", "BATCH_POLICIES"),
-    ("mpishard.parallel", "DDPOptimizer", "mpishard.parallel.ddp", "DDPCore"),
-    ("mpishard.parallel", "ZeRO2Optimizer", "mpishard.parallel.zero2", "ZeRO2Core"),
-    ("mpishard.nn", "ShardedSequential", "mpishard.nn.stack", "LayerStack"),
-    ("mpishard.nn.sharding", "TensorShard", "mpishard.nn.shards", "TensorShard"),
-    ("mpishard.groups", "ProcessGroups", "mpishard.comm.groups", "ProcessGroups"),
-    ("mpishard.hdf5data", "HDF5Dataset", "mpishard.data.hdf5", "HDF5Dataset"),
-    ("mpishard.checkpoint.strategy", "save_checkpoint", "mpishard.checkpoint.state",
-     "save_checkpoint"),
 ]
 
 
-@pytest.mark.parametrize("old, name, home, new", OLD_PATHS,
-                         ids=[f"{old}.{name}" for old, name, _, _ in OLD_PATHS])
-def test_an_old_path_warns_and_gives_the_new_object(old, name, home, new):
+@pytest.mark.parametrize("old, home", GONE_MODULES, ids=[old for old, _ in GONE_MODULES])
+def test_an_old_module_is_gone(old, home):
+    with pytest.raises(ModuleNotFoundError, match=rf"No module named '{old}'"):
+        importlib.import_module(old)
+    importlib.import_module(home)
+
+
+@pytest.mark.parametrize("old, name, home, new", GONE_NAMES,
+                         ids=[f"{old}.{name}" for old, name, _, _ in GONE_NAMES])
+def test_an_old_name_is_gone(old, name, home, new):
     module = importlib.import_module(old)
-    with pytest.warns(DeprecationWarning, match=rf"{old}\.{name} is deprecated and goes in "
-                                                rf"0\.6: use {home}\.{new}"):
-        got = getattr(module, name)
-    assert got is getattr(importlib.import_module(home), new)
-
-
-@pytest.mark.parametrize("old", sorted({old for old, *_ in OLD_PATHS}))
-def test_an_old_path_has_no_other_names(old):
-    with pytest.raises(AttributeError, match=f"module '{old}' has no attribute 'nothing'"):
-        importlib.import_module(old).nothing  # noqa: B018
+    with pytest.raises(AttributeError, match=f"module '{old}' has no attribute '{name}'"):
+        getattr(module, name)
+    with pytest.raises(ImportError, match=f"cannot import name '{name}'"):
+        exec(f"from {old} import {name}", {})
+    assert getattr(importlib.import_module(home), new) is not None
