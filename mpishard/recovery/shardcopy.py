@@ -8,9 +8,8 @@ exact when it dies (ULFM, :mod:`mpishard.recovery`):
 
 * :class:`ShardBuddy`: each rank keeps its right neighbour's shard (parameters and
   optimizer state) as of the last two completed steps, refreshed after every step;
-* :meth:`ZeRO2Core.keep_previous_step
-  <mpishard.parallel.ZeRO2Core.keep_previous_step>`: each rank keeps its own
-  shard as it was before its last update.
+* [`keep_previous_step`][mpishard.parallel.placement.GatheredAfterStep.keep_previous_step]
+  of a sharded placement: each rank keeps its own shard as it was before its last update.
 
 A death anywhere in a step then leaves the survivors one of two consistent points:
 the step every survivor completed (the state as it is, the lost shards from their
@@ -30,7 +29,7 @@ import numpy as np
 
 from ..comm import FlatComm
 from ..flat import Range
-from ..parallel import ZeRO2Core
+from ..protocols import RecoverableCore
 
 __all__ = ["ShardBuddy", "zero2_candidates", "zero2_rebuild"]
 
@@ -45,7 +44,8 @@ class ShardBuddy:
     neighbour and :func:`~mpishard.recovery.recover_in_place` goes on
     exactly, whatever the point of the step where the rank died.
 
-    Building it turns on :meth:`~mpishard.parallel.ZeRO2Core.keep_previous_step`
+    Building it turns on the placement's
+    [`keep_previous_step`][mpishard.parallel.placement.GatheredAfterStep.keep_previous_step]
     and sends the first copies (collective over ``strategy.dp``).
 
     Costs: memory, per rank, two copies of a neighbour's shard of the parameters
@@ -59,13 +59,14 @@ class ShardBuddy:
     shard is then rolled back to a checkpoint).
     """
 
-    def __init__(self, strategy: ZeRO2Core) -> None:
+    def __init__(self, strategy: RecoverableCore) -> None:
         self.strategy = strategy
         self.dp = strategy.dp
         n, r = self.dp.size, self.dp.rank
         self.rank, self.size = r, n
         self.holds = (r + 1) % n          # whose shard the copies are
-        length = len(strategy.shards[self.holds])
+        self.sharded = strategy.placement.sharded     # the shards and their state
+        length = len(self.sharded.shards[self.holds])
         dtype = strategy.dtype
         self.active = n > 1 and all(isinstance(v, np.ndarray)
                                     for v in (own_parameters(strategy), *strategy.state.values()))
@@ -76,7 +77,7 @@ class ShardBuddy:
         self.completed = -1         # the last step exchanged (sent and received) here
         self.seconds = 0.0
         if self.active:
-            strategy.keep_previous_step()
+            strategy.placement.keep_previous_step()
             self.exchange()
 
     @property
@@ -87,7 +88,7 @@ class ShardBuddy:
     @property
     def nbytes(self) -> int:
         """Bytes of the copies (the neighbour's two and the own one before the update)."""
-        own = self.strategy.previous
+        own = self.sharded.previous
         return (sum(v.nbytes for copy in self.copies for v in copy.values())
                 + (sum(v.nbytes for v in own.values()) if own else 0))
 
@@ -119,7 +120,7 @@ class ShardBuddy:
             handles.append(self.dp.Irecv(copy[name], self.holds, _BUDDY_TAG + i))
             handles.append(self.dp.Isend(value, left, _BUDDY_TAG + i, slot=("buddy", i)))
         if whole:
-            held = self.strategy.shards[self.holds]
+            held = self.sharded.shards[self.holds]
             copy["params"][...] = params[held.start:held.stop]
         for handle in handles:
             handle.wait()
@@ -127,28 +128,31 @@ class ShardBuddy:
         self.seconds += time.perf_counter() - t0
 
 
-def own_parameters(strategy: ZeRO2Core) -> Any:
+def own_parameters(strategy: RecoverableCore) -> Any:
     """This rank's shard of the parameters (a view): of the whole vector under
     ZeRO-2, the shard itself under ZeRO-3. Local."""
     held, params = strategy.parameter_shard()
-    shard = strategy.shard
+    shard = strategy.placement.owned()
     return params[shard.start - held.start:shard.stop - held.start]
 
 
-def _report(strategy: ZeRO2Core, buddy: ShardBuddy | None) -> tuple[int, int, int, int, tuple]:
+def _report(strategy: RecoverableCore, buddy: ShardBuddy | None
+            ) -> tuple[int, int, int, int, tuple]:
     """What a survivor can give: its old dp rank, its step, the step its shard's
     copy from before the update holds (-1: none), whose shard its buddy copies
     are, and the steps they hold."""
     usable = (buddy is not None and buddy.active and buddy.strategy is strategy
               and buddy.size == strategy.dp.size)
-    before = strategy.previous_step if getattr(strategy, "previous", None) is not None else -1
+    sharded = strategy.placement.sharded
+    before = sharded.previous_step if sharded.previous is not None else -1
     if before != strategy.step_count - 1:
         before = -1                 # an older copy: not the step before this one
     return (strategy.dp.rank, strategy.step_count, before,
             buddy.holds if usable else -1, tuple(buddy.steps) if usable else ())
 
 
-def zero2_candidates(strategy: ZeRO2Core, buddy: ShardBuddy | None, group: FlatComm) -> set[int]:
+def zero2_candidates(strategy: RecoverableCore, buddy: ShardBuddy | None,
+                     group: FlatComm) -> set[int]:
     """The steps at which the whole ZeRO-2 state of ``strategy.dp`` can be rebuilt
     exactly from the survivors in ``group`` (every survivor of ``strategy.dp``,
     which may be revoked: it is not used), with :func:`zero2_rebuild`: the newest
@@ -170,7 +174,7 @@ def zero2_candidates(strategy: ZeRO2Core, buddy: ShardBuddy | None, group: FlatC
     return found
 
 
-def zero2_rebuild(strategy: ZeRO2Core, buddy: ShardBuddy | None, group: FlatComm,
+def zero2_rebuild(strategy: RecoverableCore, buddy: ShardBuddy | None, group: FlatComm,
                   step: int) -> tuple[Any, dict[str, Any]]:
     """The whole parameters and optimizer state of ``strategy.dp`` at ``step`` (one
     of :func:`zero2_candidates`), full length, on every member of ``group``. Each
@@ -180,10 +184,11 @@ def zero2_rebuild(strategy: ZeRO2Core, buddy: ShardBuddy | None, group: FlatComm
     kept). Collective over ``group``."""
     every = group.allgather(_report(strategy, buddy))
     lost = set(range(strategy.dp.size)) - {e[0] for e in every}
-    shard = strategy.shard
+    sharded = strategy.placement.sharded
+    shard = sharded.shard
     own = {"params": own_parameters(strategy), **strategy.state}
     if strategy.step_count != step:
-        own = strategy.previous
+        own = sharded.previous
     copy = None
     if buddy is not None and buddy.holds in lost and buddy.holds != strategy.dp.rank:
         copy = buddy.copy_of(step)
@@ -193,7 +198,7 @@ def zero2_rebuild(strategy: ZeRO2Core, buddy: ShardBuddy | None, group: FlatComm
         whole = xp.zeros(size, dtype=value.dtype)
         whole[shard.start:shard.stop] = value
         if copy is not None:   # a buddy is active with NumPy arrays only
-            held = strategy.shards[buddy.holds]
+            held = sharded.shards[buddy.holds]
             whole[held.start:held.stop] = copy[name]
         group.Allreduce(whole.view(xp.uint8), slot=("rebuild", name), op="bor")
         full[name] = whole
