@@ -68,7 +68,7 @@ class DataParallelCore:
     this class owns the checks, the micro-batch bookkeeping
     ([`StepTotals`][mpishard.parallel.totals.StepTotals]), learning-rate
     schedule, clipping and the non-finite policy. The public classes of
-    [`mpishard.strategies`][mpishard.strategies] add the training loop.
+    ``mpishard.strategies`` add the training loop.
 
     The mean is over rows, not ranks: each micro-batch's gradient is weighted
     by its row count (through the model's ``loss_scale``), and ``step()``
@@ -79,8 +79,8 @@ class DataParallelCore:
         optimizer: the update rule ([`mpishard.optim`][mpishard.optim]).
         config: the layout (``ShardingConfiguration()`` over ``MPI.COMM_WORLD``
             when None).
-        model: attach at once (otherwise :meth:`attach` or ``optimize`` does).
-        **options: the fields of :attr:`Options`
+        model: attach at once (otherwise ``attach`` or ``optimize`` does).
+        **options: the fields of ``Options``
             ([`DataParallelOptions`][mpishard.parallel.base.DataParallelOptions]
             and the subclass's own).
 
@@ -93,7 +93,7 @@ class DataParallelCore:
 
     #: Human-readable name, written into checkpoints and reports.
     strategy = "data-parallel"
-    #: The public class ([`mpishard.strategies`][mpishard.strategies]) built on this core.
+    #: The public class (``mpishard.strategies``) built on this core.
     public = "DataParallelCore"
     #: The options dataclass of this core.
     Options: type[DataParallelOptions] = DataParallelOptions
@@ -115,7 +115,7 @@ class DataParallelCore:
         unknown = sorted(set(options) - _option_names(self.Options))
         world.agree(f"{self.public} got unknown option(s) {unknown}; expecting "
                     f"{[f.name for f in fields(self.Options)]}" if unknown else None, TypeError)
-        #: The constructor's options (:attr:`Options`), their one home.
+        #: The constructor's options (``Options``), their one home.
         self.options = self.Options(**options)
         world.agree(self.options.problem(), ValueError)
         self.optimizer = optimizer
@@ -265,7 +265,7 @@ class DataParallelCore:
     def whole_parameters(self, params: Any) -> None:
         """Give the model the whole vector ``params`` (the same on every rank: what
         the survivors put together), without gathering over the possibly broken
-        ``groups.dp``; sharded parameters are sharded again by :meth:`rebuild`. Local."""
+        ``groups.dp``; sharded parameters are sharded again by ``rebuild``. Local."""
         self.placement = self.placement.unshard(params)
 
     # --- setting up --------------------------------------------------------
@@ -328,7 +328,7 @@ class DataParallelCore:
         self._peak_bytes = current if model.params is None else max(self._peak_bytes, current)
 
     def _buckets(self, model: Model, reduction: GradientReduction) -> GradientBuckets:
-        """The gradient buckets, reduced during the backward (:attr:`bucketed`) or
+        """The gradient buckets, reduced during the backward (``bucketed``) or
         after it as ``overlap`` says. Collective over ``groups.dp`` (a measurement)."""
         # Buckets reduced during the backward must already hold the row-weighted
         # gradient: a model that cannot scale its loss is reduced after it.
@@ -393,7 +393,7 @@ class DataParallelCore:
     def backward(self, x: Any, y: Any, *, batch_start: int | None = None,
                  global_rows: int | None = None) -> float:
         """Forward and backward on this rank's micro-batch; returns its local mean
-        loss. Gradients accumulate until :meth:`step`, each weighted by its rows
+        loss. Gradients accumulate until ``step``, each weighted by its rows
         (ranks and micro-batches of any sizes, zero included, give the mean over
         the global batch). ``batch_start`` and ``global_rows`` (both or neither)
         place the rows in the global batch for random layers (without them:
@@ -583,7 +583,7 @@ class DataParallelCore:
 
     def synchronize_optimizer_state(self) -> dict[str, Any]:
         """The whole optimizer state on every rank, by name (allocated where it is
-        sharded: counted in the peak of :meth:`memory_report`). Collective over
+        sharded: counted in the peak of ``memory_report``). Collective over
         ``groups.dp``."""
         return self.placement.synchronize_optimizer_state(self.note_peak)
 

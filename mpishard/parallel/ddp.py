@@ -19,7 +19,7 @@ class DDPCore(DataParallelCore):
     gradient vector is cut into buckets of whole layers (``bucket_mb`` MiB) in
     backward order; with the library's models and ``overlap=True`` each bucket's
     non-blocking ``Iallreduce`` starts as soon as the backward pass has written it
-    ([`GradientBuckets`][mpishard.comm.buckets.GradientBuckets]), so communication
+    (``GradientBuckets`` (``mpishard.comm.buckets``)), so communication
     overlaps the rest of the backward (``overlap="auto"``, the default, does so
     where a stand-in backward measured it faster at attach; otherwise the buckets
     are reduced after the backward). Each rank's gradient is weighted by its

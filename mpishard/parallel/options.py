@@ -44,14 +44,14 @@ class DataParallelOptions:
         schedule: ``step -> factor`` of the learning rate.
         overlap: ``"auto"`` (DDP's default): reduce gradient buckets during
             the backward or after it, whichever a stand-in backward measured
-            faster at attach (:mod:`mpishard.parallel.overlap`;
+            faster at attach (``mpishard.parallel.overlap``;
             ``overlap_timings``, ``bucketed``); True (ZeRO's default, see
-            :class:`~mpishard.parallel.zero2.ZeRO2Options`): during it (library
+            [`ZeRO2Options`][mpishard.parallel.zero2.ZeRO2Options]): during it (library
             models only); False: after it. The two ways may add in a different
             order on 3 or more ranks: pin one where two runs must agree bit for
             bit, or train with ``ShardingConfiguration(reproducible=True)``.
         nonfinite: ``"error"`` (a NaN or infinite loss or gradient norm raises
-            :class:`~mpishard.errors.NonFiniteError` on every rank) or ``"skip"``
+            [`NonFiniteError`][mpishard.errors.NonFiniteError] on every rank) or ``"skip"``
             (no update on any rank; counted in ``skipped_steps``).
     """
 
@@ -97,10 +97,10 @@ class ZeRO2Options(DataParallelOptions):
             bit for bit, or train with ``ShardingConfiguration(reproducible=True)``.
         buddy_copies: with fault tolerance on, each rank keeps copies of its
             right neighbour's shard (parameters and optimizer state) and of its
-            own from before the update (:class:`~mpishard.recovery.ShardBuddy`),
+            own from before the update ([`ShardBuddy`][mpishard.recovery.ShardBuddy]),
             so a rank lost at any point of a step is recovered exactly; False: a
             lost shard rolls back to the newest checkpoint.
-        overlap: as :class:`~mpishard.parallel.base.DataParallelOptions`', but
+        overlap: as [`DataParallelOptions`][mpishard.parallel.base.DataParallelOptions]', but
             True by default: reducing after the backward needs the whole
             gradient, which the bucketed backward never holds (two bucket
             buffers and the shard instead), so ``"auto"`` could trade ZeRO's

@@ -13,9 +13,9 @@ One of the two parts of a data-parallel core (the other is its
   gather them a bucket at a time just before they run (ZeRO-3).
 
 A placement updates from the reduction's summed gradient of the range it owns
-([`owned`][mpishard.parallel.placement.Replicated.owned]), names its
+([`owned`][mpishard.parallel.placement.Placement.owned]), names its
 communicators and says how its state is put back over the survivors of a lost
-rank ([`recovery`][mpishard.parallel.placement.Replicated.recovery]).
+rank ([`Placement.recovery`][mpishard.parallel.placement.Placement]).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _nbytes(arrays: Any) -> int:
 class Placement:
     """What the three placements share: the model, the data group, the state."""
 
-    #: How the state is put back over survivors (one of :data:`RECOVERY_KINDS`).
+    #: How the state is put back over survivors (one of ``RECOVERY_KINDS``).
     recovery = "replicated"
     #: The model's passes communicate over ``groups.dp`` (ZeRO-3's parameter
     #: gathers): reproducible mode then runs the same passes on every rank.
@@ -110,17 +110,18 @@ class Placement:
         """Extra entries of ``memory_report`` (none)."""
         return {}
 
-    def handover(self, newcomer: int) -> None:
-        """Hand this rank's share of the state to a rank joining ``groups.dp``
-        (``newcomer``: its rank there). Collective over ``groups.dp``.
+    def admit(self, grown: FlatComm, newcomers: list[int]) -> None:
+        """Give the ranks ``newcomers`` of ``grown`` (the data group with spare
+        ranks added) this placement's state: replicated state sent whole by an
+        old rank, sharded state re-sharded over ``grown``. Collective over ``grown``.
 
         Raises:
-            NotImplementedError: always, for now; spare ranks that join a running
-                job are planned (the state is re-sharded by a rebuild instead).
+            NotImplementedError: always, for now: spare ranks that join a running
+                job are planned; a job that grows restarts from a checkpoint.
         """
         raise NotImplementedError(
-            f"{type(self).__name__}.handover: handing the state to a joining rank is not "
-            f"implemented yet; a job that grows restarts from a checkpoint")
+            f"{type(self).__name__}.admit: giving the state to ranks that join a running "
+            f"job is not implemented yet; a job that grows restarts from a checkpoint")
 
 
 class Replicated(Placement):
@@ -133,7 +134,7 @@ class Replicated(Placement):
 
     def update(self, optimizer: Optimizer, gradient: Any, step: int, lr: float,
                grad_scale: float) -> None:
-        """Apply the update from ``gradient`` (of :meth:`owned`). Local."""
+        """Apply the update from ``gradient`` (of ``owned``). Local."""
         optimizer.update(self.model.params, gradient, self.state, step, lr, grad_scale)
 
     def memory(self) -> dict[str, int]:
@@ -149,9 +150,9 @@ class Replicated(Placement):
 
 
 class ShardedState:
-    """A rank's shard of the optimizer state (:func:`~mpishard.flat.shard_ranges`
+    """A rank's shard of the optimizer state ([`shard_ranges`][mpishard.flat.shard_ranges]
     over ``groups.dp``), the update of the parameters' shard, and the copy of both
-    from before the last update (:meth:`keep_previous_step`). Shared by the two
+    from before the last update (``keep_previous_step``). Shared by the two
     sharded placements (a ZeRO-3 placement that unshards hands it on)."""
 
     def __init__(self, size: int, dtype: Any, dp: FlatComm, xp: Any,
@@ -164,11 +165,11 @@ class ShardedState:
         #: This rank's shard of the parameters and state before the last update
         #: (keys ``"params"`` and the state's), or None: not kept.
         self.previous: dict[str, Any] | None = None
-        #: The step :attr:`previous` holds.
+        #: The step ``previous`` holds.
         self.previous_step = -1
 
     def keep_previous_step(self, params_shard: Any) -> None:
-        """From now on keep :attr:`previous` before each update. Local."""
+        """From now on keep ``previous`` before each update. Local."""
         if self.previous is None:
             xp = self.xp
             self.previous = {"params": xp.empty_like(params_shard),
@@ -225,7 +226,7 @@ class GatheredAfterStep(Placement):
 
     def update(self, optimizer: Optimizer, gradient: Any, step: int, lr: float,
                grad_scale: float) -> None:
-        """Update this rank's shard from ``gradient`` (of :meth:`owned`). Local."""
+        """Update this rank's shard from ``gradient`` (of ``owned``). Local."""
         self.sharded.update(optimizer, self.params_shard, gradient, step, lr, grad_scale)
 
     def after_step(self) -> None:
@@ -234,6 +235,12 @@ class GatheredAfterStep(Placement):
             self.dp.Allgatherv(self.model.params, self.sharded.counts)
 
     def keep_previous_step(self) -> None:
+        """From now on keep this rank's shard of the parameters and of the state as
+        they were before each update
+        ([`ShardedState`][mpishard.parallel.placement.ShardedState]'s
+        ``previous``), so that a step interrupted after some ranks updated can
+        be undone exactly ([`mpishard.recovery.shardcopy`][mpishard.recovery.shardcopy]). Costs one
+        more shard of each and one copy of them per step. Local."""
         self.sharded.keep_previous_step(self.params_shard)
 
     def memory(self) -> dict[str, int]:

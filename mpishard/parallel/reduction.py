@@ -12,7 +12,7 @@ One of the two parts of a data-parallel core (the other is its
 A reduction owns the gradient buckets' reduce calls, the micro-batches' passes
 through them, the reducer it measured ([`Reducer`][mpishard.comm.reducer.Reducer])
 and, for reproducible mode, where the binned words are summed. It names its
-communicators ([`communicators`][mpishard.parallel.reduction.Allreduced.communicators])
+communicators ([`communicators`][mpishard.parallel.reduction.GradientReduction.communicators])
 for a recovery; it holds no state that outlives a step.
 """
 
@@ -88,7 +88,7 @@ class GradientReduction:
     def _measured(self, largest: int, dtype: Any, xp: Any, kind: str, ring: bool) -> Reducer:
         """The data group's reduction for buckets of ``largest`` elements: the group,
         its two levels across nodes or its ring, whichever measured fastest
-        ([`choose`][mpishard.comm.hierarchical.choose], into :attr:`timings`).
+        ([`choose`][mpishard.comm.hierarchical.choose], into ``timings``).
         In a 3D layout (the data group smaller than the job) the choice is made
         alike over the job, a stage without buckets taking part, and the ring is
         not tried: the data groups hold copies of the replicated tensors, which
@@ -169,7 +169,7 @@ class Allreduced(GradientReduction):
         return self._accum if self._accum is not None else self.model.grads
 
     def reduce_bucket(self, index: int, source: Any, blocking: bool) -> Handle | None:
-        """[`GradientBuckets`][mpishard.comm.buckets.GradientBuckets]' reduce call."""
+        """``GradientBuckets`` (``mpishard.comm.buckets``)' reduce call."""
         if self.dp.size == 1:
             return None
         if blocking:
@@ -244,7 +244,7 @@ class Allreduced(GradientReduction):
         return vector[owned.start:owned.stop]
 
     def norm_pieces(self, owned: list[Range]) -> list[Range]:
-        """The ranges of :meth:`norm_vector` whose squares this rank sums, from the
+        """The ranges of ``norm_vector`` whose squares this rank sums, from the
         world ranges its replica owns: every replica holds the same sum, so each
         counts its 1/N of it (the check costs 1/N of a pass)."""
         mine = shard_ranges(self.model.params.size, self.dp.size)[self.dp.rank]
@@ -281,18 +281,18 @@ class Allreduced(GradientReduction):
 
 class ReducedToShards(GradientReduction):
     """Each data-parallel rank ends the step with its shard of the summed gradient
-    only (:func:`~mpishard.flat.shard_ranges`). With backward hooks the backward
+    only ([`shard_ranges`][mpishard.flat.shard_ranges]). With backward hooks the backward
     writes into two bucket-sized buffers in turn (the slots of
-    [`GradientBuckets`][mpishard.comm.buckets.GradientBuckets]); each bucket,
+    ``GradientBuckets`` (``mpishard.comm.buckets``)); each bucket,
     once complete, is reduced to the shards (``Ireduce_scatter`` with per-rank
     counts, ``Iallreduce`` keeping this rank's piece, or a ring, whichever
-    :func:`choose_reduce_method` measured fastest) while the backward goes on.
+    ``choose_reduce_method`` measured fastest) while the backward goes on.
     Every micro-batch is reduced (as DeepSpeed's stage 2): no ``no_sync``.
 
     Args:
         config: as [`GradientReduction`][mpishard.parallel.reduction.GradientReduction]'s.
-        method: ``"auto"`` or one of :data:`REDUCE_METHODS` (the option); the
-            one used is :attr:`method`.
+        method: ``"auto"`` or one of ``REDUCE_METHODS`` (the option); the
+            one used is ``method``.
     """
 
     #: Two bucket buffers: the backward fills one while the other is being reduced.
@@ -375,7 +375,7 @@ class ReducedToShards(GradientReduction):
             self.reducer = self._measured(largest, dtype, xp, kind, ring=False)
 
     def reduce_bucket(self, index: int, source: Any, blocking: bool) -> Handle | None:
-        """[`GradientBuckets`][mpishard.comm.buckets.GradientBuckets]' reduce call."""
+        """``GradientBuckets`` (``mpishard.comm.buckets``)' reduce call."""
         # GradientBuckets has waited for this slot's previous reduction, so its
         # scratch (and, bucketed, its buffer) is free.
         b, mine = self.buckets.ranges[index], self._mine[index]
@@ -509,7 +509,7 @@ def choose_reduce_method(dp: FlatComm, elements: int, dtype: Any, xp: Any,
     written on, and both slower than a ring of point-to-point messages on one
     node (25M float32 on 2 ranks: 165, 59 and 15 ms); the answer differs
     between MPI libraries and networks. The ring is tried on host arrays of at
-    least :data:`~mpishard.comm.ring.RING_MIN_ELEMENTS` only. Each
+    least ``RING_MIN_ELEMENTS`` (``mpishard.comm.ring``) only. Each
     method's time is the slowest rank's best of ``repeats`` rounds that
     alternate the methods; every rank returns the same answer. ``blocking``
     measures the blocking forms (used when the reduction does not overlap a

@@ -1,7 +1,11 @@
 """Reproducible mode: units of work fixed on the global batch, every sum order-independent.
 
-With ``ShardingConfiguration(reproducible=True)`` a data-parallel strategy hands
-its ``backward`` and the reductions of its ``step`` to :class:`ReproducibleStep`:
+With ``ShardingConfiguration(reproducible=True)`` a data-parallel core (DDP,
+ZeRO-2, ZeRO-3) hands its ``backward`` and the sums of its ``step`` to
+:class:`ReproducibleStep`, which stands in for its gradient reduction's step
+(``reduce_step``, ``fill_totals``, ``read_totals``), counts its units in the
+core's [`StepTotals`][mpishard.parallel.totals.StepTotals] and keeps its own
+state:
 
 - **Units.** The global batch of ``B`` rows is cut into units of ``R`` rows
   (:func:`unit_rows_for`: ``gcd(B, 24)`` units by default, ``gcd(B, lcm)`` of
@@ -26,7 +30,7 @@ its ``backward`` and the reductions of its ``step`` to :class:`ReproducibleStep`
     unit per rank is the usual case at the largest size): each rank keeps its
     units' gradients as floats (the last where the model wrote it, the others
     copied aside), an ``Alltoallv`` per unit over ``groups.dp`` gives each rank
-    every unit's chunks of the range it converts (its ZeRO-2 shard; for DDP an
+    every unit's chunks of the range it converts (its ZeRO-2/3 shard; for DDP an
     equal part on chunk boundaries, then an ``Allgatherv``), and
     :func:`mpishard.kernels.deposit.exact_sum` sums them there in one pass whose
     words never leave the cache. On the wire: the default mode's bytes
@@ -36,7 +40,7 @@ its ``backward`` and the reductions of its ``step`` to :class:`ReproducibleStep`
     words per element whenever the rows are full
     (:func:`mpishard.kernels.deposit.deposit_rows`: one pass over the words for
     the rows); at ``step()``: ``Allreduce(MAX)`` of the chunk bins over
-    ``groups.dp``, the words summed over it (DDP: ``Allreduce``; ZeRO-2:
+    ``groups.dp``, the words summed over it (DDP: ``Allreduce``; ZeRO-2/3:
     ``Reduce_scatter`` or ``Allreduce``) and converted back.
 
   The loss (:class:`~mpishard.reprosum.ScalarSum`), and for clipping the global
@@ -47,8 +51,8 @@ its ``backward`` and the reductions of its ``step`` to :class:`ReproducibleStep`
   in those words and flags the rank that computed it: the step is refused.
 
 What holds: parameters, optimizer state and losses are bitwise equal for every
-data-parallel size that divides the unit count, DDP or ZeRO-2 (both reduce
-methods), any gradient accumulation on unit boundaries, with or without
+data-parallel size that divides the unit count, DDP, ZeRO-2 or ZeRO-3 (every
+reduce method), any gradient accumulation on unit boundaries, with or without
 clipping, pipeline sizes, schedules and micro-batch counts at one
 tensor-parallel size, and across a checkpoint restart or resize (state is
 stored exactly). Tensor-parallel sizes change how a layer's matrix products are

@@ -38,7 +38,7 @@ class StepTotals:
     ([`refusal`][mpishard.parallel.totals.StepTotals.refusal]), with ``"skip"``
     it is counted in ``skipped_steps`` (not in ``step_count``).
 
-    Made by the core; :meth:`setup` at attach, over the step group (the data
+    Made by the core; ``setup`` at attach, over the step group (the data
     group; the world for a 3D layout). Reproducible mode counts its units here
     too, and adds its binned words after the flags (``extra`` slots).
     """
@@ -62,7 +62,7 @@ class StepTotals:
         self.group = group
         self.counts_rows = counts_rows
         self.buffer = np.zeros(_FLAGS + group.size + extra, dtype=np.float64)
-        #: Where reproducible mode's words start in :attr:`buffer`.
+        #: Where reproducible mode's words start in ``buffer``.
         self.tail = _FLAGS + group.size
         # (data-parallel rank, world rank) of each rank of the step group, to name
         # the rank where a non-finite value appeared; gathered once, here.

@@ -16,7 +16,7 @@ class ZeRO2Core(ShardedCore):
     and parameters [`GatheredAfterStep`][mpishard.parallel.placement.GatheredAfterStep]:
     each data-parallel rank keeps 1/N of gradients and state.
 
-    The flat vector is cut into N contiguous shards (:func:`~mpishard.flat.shard_ranges`;
+    The flat vector is cut into N contiguous shards ([`shard_ranges`][mpishard.flat.shard_ranges];
     shards do not respect tensor boundaries, the last ones may be shorter). With the
     library's models the backward pass writes gradients into two bucket-sized
     buffers in turn; each bucket, once complete, is reduced to its shards while
@@ -32,7 +32,7 @@ class ZeRO2Core(ShardedCore):
     are sharded then.
 
     Gradient accumulation reduces every micro-batch into the shard (as DeepSpeed
-    does at stage 2); :meth:`no_sync` is not available, since skipping the
+    does at stage 2); ``no_sync`` is not available, since skipping the
     reduction would need the full gradient.
 
     Args and options: [`DataParallelCore`][mpishard.parallel.base.DataParallelCore]'s,

@@ -21,7 +21,7 @@ class ZeRO3Core(ShardedCore):
 
     Gradients and optimizer state are ZeRO-2's (each bucket reduced to the
     shards during the backward, the optimizer on the shard). The parameters live
-    only as this rank's shard (:meth:`parameter_shard`). A
+    only as this rank's shard (``parameter_shard``). A
     [`ShardableModel`][mpishard.protocols.ShardableModel] (the library's models)
     reads its parameters from a few bucket-sized buffers, each gathered from
     every rank's shard just before its layers run (the next one gathering
@@ -36,8 +36,8 @@ class ZeRO3Core(ShardedCore):
 
     While a model is attached, its ``params`` is None and its ``forward`` is
     collective over ``groups.dp`` (every rank gathers each bucket):
-    :meth:`gathered_parameters` gives the whole vector for a while,
-    :meth:`unshard` for good.
+    ``gathered_parameters`` gives the whole vector for a while,
+    ``unshard`` for good.
 
     Args and options: [`DataParallelCore`][mpishard.parallel.base.DataParallelCore]'s,
     and [`ZeRO3Options`][mpishard.parallel.options.ZeRO3Options] (ZeRO-2's,
@@ -69,7 +69,7 @@ class ZeRO3Core(ShardedCore):
 
         Raises:
             TypeError: not a model (a model whose ``params`` is None is sharded
-                by a ZeRO-3 strategy already: :meth:`unshard` it there), or
+                by a ZeRO-3 strategy already: ``unshard`` it there), or
                 parameters that are not float32/float64 1-D arrays (on every rank).
             MpiShardError: the parameter count or dtype differs between ranks.
         """
@@ -79,7 +79,7 @@ class ZeRO3Core(ShardedCore):
         """Give the model its whole parameter vector back and stop gathering:
         ``params`` (a whole vector, the same on every rank; local), or gathered
         from the shards (collective over ``groups.dp``). The core then trains the
-        model as ZeRO-2 does, until :meth:`attach` or :meth:`rebuild` shards it
+        model as ZeRO-2 does, until ``attach`` or ``rebuild`` shards it
         again; another strategy may attach it."""
         self._require_model()
         self.placement = self.placement.unshard(params)

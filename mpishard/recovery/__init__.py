@@ -2,7 +2,7 @@
 3D replicas kept, ZeRO-2 shards from buddy copies, a rollback to a checkpoint, or a
 typed hand-over to a relaunch.
 
-The mechanism (revoke, shrink, agree) is :mod:`mpishard.comm.ulfm`'s; this package
+The mechanism (revoke, shrink, agree) is [`mpishard.comm.ulfm`][mpishard.comm.ulfm]'s; this package
 is the policy. The training loop talks to it through
 [`RecoveryPolicy`][mpishard.recovery.policy.RecoveryPolicy] only:
 ``after_step(position)`` after each step, ``recover(error) ->``

@@ -50,7 +50,7 @@ class Recovered:
 
     def record(self) -> dict[str, Any]:
         """The event as a JSON-ready dict (``"event": "recovered"``, ``"from"``:
-        :attr:`source`), as ``TrainResult.recoveries`` and the metrics file hold it."""
+        ``source``), as ``TrainResult.recoveries`` and the metrics file hold it."""
         out = {"event": "recovered", "lost_ranks": self.lost_ranks, "step": self.step,
                "world_size": self.world_size, "seconds": self.seconds,
                "shrink_seconds": self.shrink_seconds, "survivor_steps": self.survivor_steps,

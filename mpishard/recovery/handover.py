@@ -21,5 +21,5 @@ def hand_over(over: HandOver) -> NoReturn:
     raise AssertionError("unreachable: ulfm.exit_now ends the process")
 
 
-#: 0.5's name of :func:`hand_over` (the faults guide names it), kept importable.
+#: 0.5's name of ``hand_over`` (the faults guide names it), kept importable.
 leave = hand_over

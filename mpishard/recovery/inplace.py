@@ -27,7 +27,7 @@ def communicators(core: StrategyCore) -> list[FlatComm]:
 
 
 def recoverable(core: StrategyCore) -> str | None:
-    """None when :func:`recover_in_place` can rebuild ``core`` over the
+    """None when ``recover_in_place`` can rebuild ``core`` over the
     survivors, else why not (as the core says: a 3D layout with one
     data-parallel replica, tensor or pipeline parallelism outside a hybrid
     core, no model). Local."""
@@ -50,7 +50,7 @@ def recover_in_place(core: StrategyCore, exc: BaseException | None = None, *,
                      buddy: ShardBuddy | None = None, marks: StepMarks | None = None
                      ) -> tuple[StrategyCore, Recovered]:
     """After a rank failure, ``core`` itself rebuilt over the survivors
-    (:meth:`~mpishard.parallel.DataParallelCore.rebuild`: same object, same
+    ([`rebuild`][mpishard.parallel.DataParallelCore.rebuild]: same object, same
     options), and the ``recovered`` event; how each strategy goes on is on the
     docs site's faults page. ``exc``: the failure (raised again if it is not
     one); ``buddy``: ZeRO-2's copies; ``marks``: the loop's data positions of
@@ -58,7 +58,7 @@ def recover_in_place(core: StrategyCore, exc: BaseException | None = None, *,
 
     Raises:
         HandOver: on every survivor (exit 75, the lowest survivor speaks): a layout
-            that cannot go on in place (:func:`recoverable`; a 3D layout where no
+            that cannot go on in place (``recoverable``; a 3D layout where no
             replica is whole), or ZeRO-2 with neither the lost shard nor
             ``checkpoints``; on the alive ranks of a dropped 3D replica (exit 0).
     """

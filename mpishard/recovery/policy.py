@@ -19,8 +19,8 @@ __all__ = ["RecoveryPolicy"]
 
 class RecoveryPolicy:
     """What the training loop does about a lost rank: keep what a recovery needs
-    after every step (:meth:`after_step`), and go on over the survivors when a
-    step fails (:meth:`recover`). Inactive (costs nothing) where fault tolerance
+    after every step (``after_step``), and go on over the survivors when a
+    step fails (``recover``). Inactive (costs nothing) where fault tolerance
     is off.
 
     Args:
@@ -67,7 +67,7 @@ class RecoveryPolicy:
 
     def recover(self, exc: BaseException) -> Recovered:
         """The core rebuilt over the survivors
-        (:func:`~mpishard.recovery.recover_in_place`), and the ``recovered`` event.
+        ([`recover_in_place`][mpishard.recovery.recover_in_place]), and the ``recovered`` event.
         Collective over the survivors.
 
         Raises:

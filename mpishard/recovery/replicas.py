@@ -11,7 +11,7 @@ dp_rank) * tp + tp_rank``): replica 0 is ranks {0, 1, 4, 5}, replica 1 is
 {2, 3, 6, 7}. World rank 6 dies: replica 1 is dropped (ranks 2, 3 and 7 leave,
 after helping), replica 0 goes on as a 4-rank job with dp=1, its ranks 0, 1, 4,
 5 renumbered 0, 1, 2, 3 (the split keeps the old order, so the ``tp-dp-pp``
-order of :mod:`mpishard.topology` still holds).
+order of [`mpishard.topology`][mpishard.topology] still holds).
 
 The survivors of the whole replicas form a new world (a split in the old rank
 order) and configuration (the old options, errors returned); the model and the
@@ -25,7 +25,7 @@ parameters and state together at the newest step every group can rebuild
 exactly (its survivors' shards and the buddy copies of the lost ones), resharded
 over the kept ranks. The step count, skipped steps and data position are that
 step's. The alive ranks of dropped replicas, once they have helped, raise
-:class:`~mpishard.errors.HandOver` with exit code 0 (each says its own line).
+[`HandOver`][mpishard.errors.HandOver] with exit code 0 (each says its own line).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def drop_replicas(strategy: RecoverableCore, rec: ulfm.Survivors, *,
     and rebuild ``strategy`` and its model in place over the whole replicas (the
     module docstring says how); the ``recovered`` event (``"from": "replica"``,
     with ``dropped_ranks`` and ``data_parallel_size``). ``rec``: what
-    :func:`mpishard.comm.ulfm.recover` agreed; ``buddy``, ``marks``, ``exc``: as
-    :func:`~mpishard.recovery.recover_in_place`'s. Collective over ``rec.world``.
+    [`ulfm.recover`][mpishard.comm.ulfm.recover] agreed; ``buddy``, ``marks``, ``exc``: as
+    [`recover_in_place`][mpishard.recovery.recover_in_place]'s. Collective over ``rec.world``.
 
     Raises:
         HandOver: on every survivor (exit 75, rank 0 of ``rec.world`` speaks): no

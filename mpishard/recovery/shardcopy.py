@@ -4,9 +4,9 @@ nothing read from disk.
 A ZeRO-2 rank is the only holder of its shard of the optimizer state, and, between
 its update and the parameter ``Allgatherv``, of its shard's new parameters; a
 ZeRO-3 rank of its shard of the parameters at all times. Two copies keep the run
-exact when it dies (ULFM, :mod:`mpishard.recovery`):
+exact when it dies (ULFM, [`mpishard.recovery`][mpishard.recovery]):
 
-* :class:`ShardBuddy`: each rank keeps its right neighbour's shard (parameters and
+* ``ShardBuddy``: each rank keeps its right neighbour's shard (parameters and
   optimizer state) as of the last two completed steps, refreshed after every step;
 * [`keep_previous_step`][mpishard.parallel.placement.GatheredAfterStep.keep_previous_step]
   of a sharded placement: each rank keeps its own shard as it was before its last update.
@@ -15,8 +15,8 @@ A death anywhere in a step then leaves the survivors one of two consistent point
 the step every survivor completed (the state as it is, the lost shards from their
 copies), or the step before it (a survivor that had updated takes its shard back
 from before the update; the lost shards come from the older copies).
-:func:`zero2_candidates` says which of them the survivors of one data-parallel
-group can rebuild; :func:`zero2_rebuild` rebuilds the whole parameters and state at
+``zero2_candidates`` says which of them the survivors of one data-parallel
+group can rebuild; ``zero2_rebuild`` rebuilds the whole parameters and state at
 one of them. The survivors then train the interrupted step again, over fewer ranks.
 """
 
@@ -41,7 +41,7 @@ class ShardBuddy:
     """ZeRO-2's buddy copy: each data-parallel rank also keeps the shard of the
     next rank (``(r + 1) % n``), its parameters and its optimizer state, as of the
     last two completed steps, so that a lost rank's shard survives with its left
-    neighbour and :func:`~mpishard.recovery.recover_in_place` goes on
+    neighbour and [`recover_in_place`][mpishard.recovery.recover_in_place] goes on
     exactly, whatever the point of the step where the rank died.
 
     Building it turns on the placement's
@@ -50,8 +50,8 @@ class ShardBuddy:
 
     Costs: memory, per rank, two copies of a neighbour's shard of the parameters
     and of the state, and one copy of its own (Adam, float64: 3 x 3 x ``params / n``
-    x 8 bytes; :attr:`nbytes`); time, one exchange of the state shard with each
-    neighbour per step and two local copies of a shard (:attr:`seconds`: the total
+    x 8 bytes; ``nbytes``); time, one exchange of the state shard with each
+    neighbour per step and two local copies of a shard (``seconds``: the total
     so far). Under ZeRO-2 the parameters are not sent: each rank copies its
     neighbour's shard out of the full vector the ``Allgatherv`` just rebuilt;
     under ZeRO-3, which holds no full vector, the parameter shard is exchanged
@@ -155,7 +155,7 @@ def zero2_candidates(strategy: RecoverableCore, buddy: ShardBuddy | None,
                      group: FlatComm) -> set[int]:
     """The steps at which the whole ZeRO-2 state of ``strategy.dp`` can be rebuilt
     exactly from the survivors in ``group`` (every survivor of ``strategy.dp``,
-    which may be revoked: it is not used), with :func:`zero2_rebuild`: the newest
+    which may be revoked: it is not used), with ``zero2_rebuild``: the newest
     step any survivor reached, or the one before, where every survivor holds its
     own shard at that step and every lost shard has a copy at that step on a
     survivor. Empty when none can (no buddy, two neighbours lost). Collective over
@@ -177,7 +177,7 @@ def zero2_candidates(strategy: RecoverableCore, buddy: ShardBuddy | None,
 def zero2_rebuild(strategy: RecoverableCore, buddy: ShardBuddy | None, group: FlatComm,
                   step: int) -> tuple[Any, dict[str, Any]]:
     """The whole parameters and optimizer state of ``strategy.dp`` at ``step`` (one
-    of :func:`zero2_candidates`), full length, on every member of ``group``. Each
+    of ``zero2_candidates``), full length, on every member of ``group``. Each
     survivor gives its own shard (as it is, or its copy from before the update)
     and the copy of a lost neighbour's; every byte comes from exactly one rank, so
     a bitwise OR puts them together with no rounding (``-0.0`` and NaN payloads

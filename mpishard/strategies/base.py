@@ -14,8 +14,8 @@ __all__ = ["Strategy"]
 
 
 class Strategy:
-    """Base of the public strategies: a parallel core (:attr:`core`, from
-    :mod:`mpishard.parallel`) and the one training loop as :meth:`optimize`.
+    """Base of the public strategies: a parallel core (``core``, from
+    [`mpishard.parallel`][mpishard.parallel]) and the one training loop as ``optimize``.
 
     The core's methods and attributes are the strategy's (``backward``,
     ``step``, ``memory_report``, ``step_count``, ...): this class names the
@@ -39,20 +39,20 @@ class Strategy:
         Collective over ``config.world``.
 
         ``data``: an ``(inputs, targets)`` pair of arrays (NumPy, CuPy, h5py
-        datasets), a :class:`~mpishard.protocols.Dataset`, a
-        :class:`~mpishard.protocols.CollectiveDataset` such as
-        :class:`~mpishard.data.LocalDataset`, or a
-        :class:`~mpishard.data.BatchStream`. ``callback(step, loss)`` runs after
+        datasets), a [`Dataset`][mpishard.protocols.Dataset], a
+        [`CollectiveDataset`][mpishard.protocols.CollectiveDataset] such as
+        [`LocalDataset`][mpishard.data.LocalDataset], or a
+        [`BatchStream`][mpishard.data.BatchStream]. ``callback(step, loss)`` runs after
         every step; True stops there. ``options``: ``progress``,
         ``print_every``, ``metrics_path``, ``checkpoints`` with
         ``checkpoint_every``, ``max_steps``, ``stop``, ``validation``, ... (the
-        fields of :class:`~mpishard.train.Sampling`,
-        :class:`~mpishard.train.Reporting` and
-        :class:`~mpishard.train.Checkpointing`). The rules (epochs are a total,
+        fields of [`Sampling`][mpishard.train.Sampling],
+        [`Reporting`][mpishard.train.Reporting] and
+        [`Checkpointing`][mpishard.train.Checkpointing]). The rules (epochs are a total,
         the data position wins, ...) are on the docs site's training-loop page.
 
         Returns:
-            a :class:`~mpishard.train.TrainResult`.
+            a [`TrainResult`][mpishard.train.TrainResult].
 
         Raises:
             ValueError: on every rank, for data, a batch size or epochs that
@@ -62,7 +62,7 @@ class Strategy:
                             shuffle=shuffle, seed=seed, drop_last=drop_last, **options)
 
     def new_pass(self) -> None:
-        """Forget the data position: the next :meth:`optimize` starts at epoch 0.
+        """Forget the data position: the next ``optimize`` starts at epoch 0.
         Local (every rank calls it)."""
         self.core.set_progress(data_position=None)
 

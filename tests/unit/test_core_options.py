@@ -48,3 +48,17 @@ def test_progress_is_set_through_one_method():
     assert (core.step_count, core.skipped_steps, core.data_position) == (7, 1, {"epoch": 2})
     core.set_progress(step_count=8)           # what is not given stays
     assert (core.step_count, core.skipped_steps) == (8, 1)
+
+
+def test_parts_name_their_communicators_and_recovery():
+    model = MLP([4, 6, 2], dtype=np.float64)
+    for cls, kind in ((DDPOptimizer, "replicated"), (ZeRO2Optimizer, "sharded"),
+                      (ZeRO3Optimizer, "sharded")):
+        core = cls(SGD(lr=0.1), model=model).core
+        assert core.placement.recovery == kind
+        assert core.dp in core.communicators() and core.config.groups.world in core.communicators()
+        with pytest.raises(NotImplementedError, match="admit: giving the state to ranks"):
+            core.placement.admit(core.dp, [1])
+        if cls is ZeRO3Optimizer:
+            assert core.gather_comm in core.communicators()
+            core.unshard()          # the model takes its whole vector back for the next
