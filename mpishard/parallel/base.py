@@ -14,13 +14,10 @@ ZeRO-2 and ZeRO-3 ([`DDPCore`][mpishard.parallel.ddp.DDPCore],
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import inspect
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -33,9 +30,10 @@ from ..errors import CommunicationError, MpiShardError, TopologyError
 from ..flat import Range, bucket_ranges
 from ..optim.clip import clip_coefficient
 from ..protocols import BACKWARD, FORWARD, BucketedModel, Model, Optimizer
-from .options import NONFINITE_POLICIES, DataParallelOptions
+from .options import NONFINITE_POLICIES, DataParallelOptions, OptionsHome
 from .overlap import choose_overlap
 from .placement import Placement
+from .progress import Progress
 from .reduction import GradientReduction
 from .repro import ReproducibleStep
 from .totals import StepTotals
@@ -44,22 +42,9 @@ __all__ = ["NONFINITE_POLICIES", "DataParallelCore", "DataParallelOptions"]
 
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
-_KEEP: Any = object()   # set_progress(): leave this one as it is
 
 
-@functools.cache
-def _option_names(options: type) -> frozenset[str]:
-    return frozenset(f.name for f in fields(options))
-
-
-def _progress(name: str, doc: str) -> property:
-    """A property of where training is, read from ``_<name>``, set through
-    ``set_progress`` (the one method that sets it)."""
-    return property(lambda core: getattr(core, f"_{name}"),
-                    lambda core, value: core.set_progress(**{name: value}), doc=doc)
-
-
-class DataParallelCore:
+class DataParallelCore(OptionsHome, Progress):
     """Base of the data-parallel strategy cores; not used directly.
 
     A subclass names its two parts (``_new_reduction``: a
@@ -80,7 +65,8 @@ class DataParallelCore:
         config: the layout (``ShardingConfiguration()`` over ``MPI.COMM_WORLD``
             when None).
         model: attach at once (otherwise ``attach`` or ``optimize`` does).
-        **options: the fields of ``Options``
+        **options: the fields of ``Options`` (their one home: ``options``,
+            [`OptionsHome`][mpishard.parallel.options.OptionsHome])
             ([`DataParallelOptions`][mpishard.parallel.base.DataParallelOptions]
             and the subclass's own).
 
@@ -112,16 +98,9 @@ class DataParallelCore:
                     f"expecting a gradient optimizer with init_state() and update() "
                     f"(mpishard.optim.SGD, Adam, AdamW), got {type(optimizer).__name__}",
                     TypeError)
-        unknown = sorted(set(options) - _option_names(self.Options))
-        world.agree(f"{self.public} got unknown option(s) {unknown}; expecting "
-                    f"{[f.name for f in fields(self.Options)]}" if unknown else None, TypeError)
-        #: The constructor's options (``Options``), their one home.
-        self.options = self.Options(**options)
-        world.agree(self.options.problem(), ValueError)
+        self._take_options(world, self.public, options)
         self.optimizer = optimizer
-        self._step_count = 0
-        self._skipped_steps = 0
-        self._data_position: dict[str, int] | None = None
+        self._start_progress()
         self.last_grad_norm = float("nan")
         self.timings = {"forward_backward": 0.0, "communication": 0.0,
                         "optimizer": 0.0, "gather": 0.0}
@@ -135,55 +114,6 @@ class DataParallelCore:
         self._over(config)
         if model is not None:
             self.attach(model)
-
-    # --- options: one home -------------------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        # Only for names found nowhere else: an option is read from the options.
-        options = self.__dict__.get("options")
-        if options is not None and name in _option_names(type(options)):
-            return getattr(options, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        options = self.__dict__.get("options")
-        if options is not None and name in _option_names(type(options)):
-            self.replace_options(**{name: value})
-        else:
-            object.__setattr__(self, name, value)
-
-    def replace_options(self, **changes: Any) -> None:
-        """Change options after construction (a checkpoint's ``schedule``), checked
-        as the constructor does; what attach set up from them stays. Local.
-
-        Raises:
-            ValueError: an option out of range.
-        """
-        options = dataclasses.replace(self.options, **changes)
-        problem = options.problem()
-        if problem is not None:
-            raise ValueError(problem)
-        object.__setattr__(self, "options", options)
-
-    # --- where training is: one method sets it --------------------------------------
-    step_count = _progress("step_count", "Optimizer steps taken (restored from checkpoints).")
-    skipped_steps = _progress(
-        "skipped_steps", "Steps refused for a non-finite loss or gradient norm "
-        "(``nonfinite='skip'``); they do not count in ``step_count``.")
-    data_position = _progress(
-        "data_position", "Where the training loop is in the data (epoch, "
-        "samples_consumed, seed, batch_size, num_samples, shuffle: ints); None: not "
-        "trained yet.")
-
-    def set_progress(self, *, step_count: int = _KEEP, skipped_steps: int = _KEEP,
-                     data_position: dict[str, int] | None = _KEEP) -> None:
-        """Set where training is (a checkpoint read back, a recovery, the training
-        loop's data position); what is not given stays. Local."""
-        if step_count is not _KEEP:
-            self._step_count = int(step_count)
-        if skipped_steps is not _KEEP:
-            self._skipped_steps = int(skipped_steps)
-        if data_position is not _KEEP:
-            self._data_position = data_position
 
     # --- groups ----------------------------------------------------------------------
     def _over(self, config: ShardingConfiguration) -> None:

@@ -9,14 +9,17 @@ Pure: each says what is wrong with it (``problem()``), the core agrees on it.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 from .overlap import OVERLAP_CHOICES
 
-__all__ = ["NONFINITE_POLICIES", "REDUCE_METHODS", "DataParallelOptions", "ZeRO2Options",
-           "ZeRO3Options"]
+__all__ = ["NONFINITE_POLICIES", "REDUCE_METHODS", "DataParallelOptions", "OptionsHome",
+           "ZeRO2Options", "ZeRO3Options"]
 
 #: What ``nonfinite=`` accepts.
 NONFINITE_POLICIES = ("error", "skip")
@@ -147,3 +150,59 @@ class ZeRO3Options(ZeRO2Options):
         if mb is not None and not (isinstance(mb, numbers.Real) and mb > 0):
             return f"gather_mb must be positive or None, got {mb!r}"
         return super().problem()
+
+
+@functools.cache
+def _option_names(options: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(options))
+
+
+class OptionsHome:
+    """An object whose options have one home, ``options`` (a frozen dataclass of
+    :attr:`Options`): each option is read as an attribute (``core.bucket_mb``),
+    and a write of one (``core.schedule = f``) replaces it there, checked, so no
+    attribute can diverge from the options."""
+
+    #: The options dataclass (a subclass of ``DataParallelOptions``).
+    Options: ClassVar[type[DataParallelOptions]] = DataParallelOptions
+
+    def _take_options(self, world: Any, who: str, given: dict[str, Any]) -> None:
+        """Make ``options`` from the keyword arguments ``given``. Collective over
+        ``world`` (errors are agreed).
+
+        Raises:
+            TypeError: an unknown option; ValueError: one out of range (on every rank).
+        """
+        unknown = sorted(set(given) - _option_names(self.Options))
+        world.agree(f"{who} got unknown option(s) {unknown}; expecting "
+                    f"{[f.name for f in fields(self.Options)]}" if unknown else None, TypeError)
+        #: The constructor's options, their one home.
+        self.options = self.Options(**given)
+        world.agree(self.options.problem(), ValueError)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names found nowhere else: an option is read from the options.
+        options = self.__dict__.get("options")
+        if options is not None and name in _option_names(type(options)):
+            return getattr(options, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        options = self.__dict__.get("options")
+        if options is not None and name in _option_names(type(options)):
+            self.replace_options(**{name: value})
+        else:
+            object.__setattr__(self, name, value)
+
+    def replace_options(self, **changes: Any) -> None:
+        """Change options after construction (a checkpoint's ``schedule``), checked
+        as the constructor does; what attach set up from them stays. Local.
+
+        Raises:
+            ValueError: an option out of range.
+        """
+        options = dataclasses.replace(self.options, **changes)
+        problem = options.problem()
+        if problem is not None:
+            raise ValueError(problem)
+        object.__setattr__(self, "options", options)

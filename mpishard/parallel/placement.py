@@ -32,7 +32,8 @@ from ..comm.gather import ParameterGather
 from ..flat import Range, bucket_ranges, shard_ranges, unit_ranges
 from ..protocols import BACKWARD, Optimizer
 
-__all__ = ["GatheredAfterStep", "GatheredBeforeUse", "Placement", "Replicated", "ShardedState"]
+__all__ = ["RECOVERY_KINDS", "GatheredAfterStep", "GatheredBeforeUse", "Placement", "Replicated",
+           "ShardedState"]
 
 #: How a placement's state is put back over the survivors of a lost rank:
 #: ``"replicated"`` (every survivor holds it whole: one of them sends it) or
