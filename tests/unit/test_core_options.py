@@ -62,3 +62,21 @@ def test_parts_name_their_communicators_and_recovery():
         if cls is ZeRO3Optimizer:
             assert core.gather_comm in core.communicators()
             core.unshard()          # the model takes its whole vector back for the next
+
+
+def test_the_flat_hierarchical_and_ring_reducers_are_reducers():
+    from mpi4py import MPI
+
+    from mpishard.comm import FlatComm
+    from mpishard.comm.hierarchical import HierarchicalComm
+    from mpishard.comm.reducer import OwnedReducer, Reducer
+    from mpishard.comm.ring import RingComm
+
+    flat = FlatComm(MPI.COMM_WORLD.Dup(), "test")
+    owned = [HierarchicalComm(flat), RingComm(flat)]
+    assert isinstance(flat, Reducer) and not isinstance(flat, OwnedReducer)
+    for reducer in owned:
+        assert isinstance(reducer, OwnedReducer), type(reducer).__name__
+        assert all(isinstance(c, FlatComm) and c is not flat for c in reducer.communicators())
+        reducer.free()
+    flat.free()
