@@ -43,7 +43,6 @@ __all__ = ["NONFINITE_POLICIES", "DataParallelCore", "DataParallelOptions"]
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-
 class DataParallelCore(OptionsHome, Progress):
     """Base of the data-parallel strategy cores; not used directly.
 
