@@ -40,6 +40,7 @@ __all__ = [
     "Model",
     "Optimizer",
     "ParameterHooks",
+    "RecoverableCore",
     "ShardableModel",
     "StrategyCore",
     "UnitPassModel",
@@ -326,6 +327,34 @@ class StrategyCore(Protocol):
     def gathered_parameters(self) -> AbstractContextManager[Any]: ...
 
     def rebuild(self, config: Any) -> None: ...
+
+
+@runtime_checkable
+class RecoverableCore(StrategyCore, Protocol):
+    """A strategy core that answers for itself after a lost rank
+    ([`mpishard.recovery`][mpishard.recovery] asks it, never its class): the
+    communicators to revoke, why it cannot go on in place, whether whole 3D
+    replicas go on, its parts (``placement.recovery``: ``"replicated"`` or
+    ``"sharded"``; ``totals.who``: who is who in the step group), and one method
+    that sets the step count, skipped steps and data position."""
+
+    skipped_steps: int
+    placement: Any
+    totals: Any
+    drops_replicas: bool
+    options: Any
+    xp: Any
+    layout: Any
+    state: dict[str, Any]
+
+    def communicators(self) -> list[Any]: ...
+
+    def recovery_problem(self) -> str | None: ...
+
+    def whole_parameters(self, params: Any) -> None: ...
+
+    def set_progress(self, *, step_count: int = ..., skipped_steps: int = ...,
+                     data_position: dict[str, int] | None = ...) -> None: ...
 
 
 @runtime_checkable

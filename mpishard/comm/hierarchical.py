@@ -37,6 +37,7 @@ from ..backend import array_namespace
 from ..flat import shard_ranges
 from .communicator import FlatComm, Handle
 from .nodes import NodeMap
+from .reducer import Reducer
 from .ring import RING_MIN_ELEMENTS, RingComm
 from .timing import agree_on_faster, reduce_once, time_alternatives
 
@@ -144,6 +145,10 @@ class HierarchicalComm:
                                                finish=finish),
         ]
         return self._start(stages)
+
+    def communicators(self) -> list[FlatComm]:
+        """The communicators made here: inside the nodes (two) and across. Local."""
+        return [self.node, self.cross, self.gather]
 
     def free(self) -> None:
         """Finish what is pending and free the communicators. Collective over the group."""
@@ -290,9 +295,9 @@ def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "all
            record: dict[str, Any] | None = None, repeats: int = 3,
            nodes: NodeMap | None = None, blocking: bool = False,
            margin: float = 0.1, ring: bool = True,
-           agree: FlatComm | None = None) -> FlatComm | HierarchicalComm | RingComm:
-    """The fastest reduction communicator for buckets of ``elements``: ``group``
-    itself, a :class:`HierarchicalComm` over it or a
+           agree: FlatComm | None = None) -> Reducer:
+    """The fastest [`Reducer`][mpishard.comm.reducer.Reducer] for buckets of
+    ``elements``: ``group`` itself, a :class:`HierarchicalComm` over it or a
     :class:`~mpishard.comm.ring.RingComm` over it, measured, not assumed.
 
     ``kind``: ``"allreduce"`` (DDP) or ``"reduce_scatter"`` (ZeRO-2). Each way's

@@ -118,6 +118,10 @@ class RingComm:
             return self.group.Ireduce_scatter(sendbuf, recvbuf, counts, slot, finish)
         return self._start(sendbuf, recvbuf, list(counts), slot, finish, gather=False)
 
+    def communicators(self) -> list[FlatComm]:
+        """The ring's own communicator. Local."""
+        return [self.ring]
+
     def free(self) -> None:
         """Free the ring's communicator. Collective over the group."""
         self.ring.free()

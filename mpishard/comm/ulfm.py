@@ -12,12 +12,12 @@ request, and the test reports the error). The survivors then:
    dead rank was not part of, leaves it with ``ERR_REVOKED``;
 2. **shrink** it to the survivors (``MPI_Comm_shrink``: about 10 ms for 3 ranks here);
 3. **agree** on the last completed step: each survivor gives the step it completed
-   last; the newest wins, and :attr:`Recovery.source` (the lowest survivor that
+   last; the newest wins, and :attr:`Survivors.source` (the lowest survivor that
    completed it) hands its parameters and optimizer state to the others. (Under
    DDP a survivor that missed the end of that step only lacks the update; the
    reference that drops the rank from the next step is then reproduced exactly.)
 4. build the groups again over the survivors (the caller: a new
-   :class:`~mpishard.ShardingConfiguration` over :attr:`Recovery.world`'s
+   :class:`~mpishard.ShardingConfiguration` over :attr:`Survivors.world`'s
    communicator, which this layer cannot import).
 
 :func:`enable` sets ``ERRORS_RETURN`` on the library's communicators
@@ -41,9 +41,8 @@ from ..errors import MpiShardError
 from . import stuck
 from .communicator import FlatComm
 
-__all__ = ["FAILURE_CLASSES", "MODES", "Recovery", "available", "enable", "is_failure", "is_on",
-           "leave",
-           "recover", "wanted"]
+__all__ = ["FAILURE_CLASSES", "MODES", "Survivors", "available", "enable", "exit_now",
+           "is_failure", "is_on", "recover", "wanted"]
 
 #: The error classes that mean "a rank of this communicator failed" (or another
 #: survivor revoked it after seeing that).
@@ -117,8 +116,8 @@ def is_failure(exc: BaseException) -> bool:
 
 
 @dataclass
-class Recovery:
-    """What the survivors agreed on.
+class Survivors:
+    """What the survivors of a lost rank agreed on ([`recover`][mpishard.comm.ulfm.recover]).
 
     Attributes:
         world: a :class:`~mpishard.comm.FlatComm` over the survivors (errors return).
@@ -138,7 +137,7 @@ class Recovery:
 
 
 def recover(world: FlatComm, step: int, *, name: str | None = None,
-            also: Iterable[FlatComm | None] = ()) -> Recovery:
+            also: Iterable[FlatComm | None] = ()) -> Survivors:
     """Revoke ``world``, shrink it to the survivors and agree on the last
     completed step (``step``: this rank's). Collective over the survivors of
     ``world``; every survivor must call it (a survivor still waiting in a call
@@ -185,11 +184,11 @@ def recover(world: FlatComm, step: int, *, name: str | None = None,
     lost = sorted(MPI.Group.Translate_ranks(before, gone, MPI.COMM_WORLD.Get_group()))
     before.Free()
     after.Free()
-    return Recovery(world=flat, step=newest, source=steps.index(newest), steps=steps,
+    return Survivors(world=flat, step=newest, source=steps.index(newest), steps=steps,
                     lost=lost, seconds=time.perf_counter() - t0)
 
 
-def leave(code: int = 0) -> None:
+def exit_now(code: int = 0) -> None:
     """End this process now, with ``code``, without ``MPI_Finalize``: for the end of
     a job that lost a rank. Open MPI 5's ``MPI_Finalize`` may then wait forever
     for the dead rank (a PMIx fence; open-mpi/ompi#11404 and #9434; here about 1
@@ -204,3 +203,7 @@ def leave(code: int = 0) -> None:
         except (AttributeError, OSError, ValueError):
             pass
     os._exit(code)
+
+
+#: 0.5's name of :func:`exit_now` (the faults guide's own loops call it), kept importable.
+leave = exit_now

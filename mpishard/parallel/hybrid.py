@@ -265,6 +265,17 @@ class HybridCore:
 
     _model_parallel = True
     public = "HybridShardedOptimizer"
+    drops_replicas = True
+
+    def recovery_problem(self) -> str | None:
+        """Why whole replicas cannot go on after a lost rank (one data-parallel
+        replica only, or a model that is not a :class:`HybridShardedModel`), or None."""
+        topo = self.config.topology
+        if topo.dp < 2 or not isinstance(self.model, HybridShardedModel):
+            return (f"the layout has tensor_parallel_size={topo.tp}, pipeline_parallel_size="
+                    f"{topo.pp} and data_parallel_size={topo.dp}: the lost rank held a piece "
+                    f"of the only model replica")
+        return None
 
     def __init__(self, optimizer: Any, config: ShardingConfiguration | None = None, *,
                  model: Any = None, **options: Any) -> None:

@@ -1,7 +1,11 @@
 """Reproducible mode: units of work fixed on the global batch, every sum order-independent.
 
-With ``ShardingConfiguration(reproducible=True)`` a data-parallel strategy hands
-its ``backward`` and the reductions of its ``step`` to :class:`ReproducibleStep`:
+With ``ShardingConfiguration(reproducible=True)`` a data-parallel core (DDP,
+ZeRO-2, ZeRO-3) hands its ``backward`` and the sums of its ``step`` to
+:class:`ReproducibleStep`, which stands in for its gradient reduction's step
+(``reduce_step``, ``fill_totals``, ``read_totals``), counts its units in the
+core's [`StepTotals`][mpishard.parallel.totals.StepTotals] and keeps its own
+state:
 
 - **Units.** The global batch of ``B`` rows is cut into units of ``R`` rows
   (:func:`unit_rows_for`: ``gcd(B, 24)`` units by default, ``gcd(B, lcm)`` of
@@ -26,7 +30,7 @@ its ``backward`` and the reductions of its ``step`` to :class:`ReproducibleStep`
     unit per rank is the usual case at the largest size): each rank keeps its
     units' gradients as floats (the last where the model wrote it, the others
     copied aside), an ``Alltoallv`` per unit over ``groups.dp`` gives each rank
-    every unit's chunks of the range it converts (its ZeRO-2 shard; for DDP an
+    every unit's chunks of the range it converts (its ZeRO-2/3 shard; for DDP an
     equal part on chunk boundaries, then an ``Allgatherv``), and
     :func:`mpishard.kernels.deposit.exact_sum` sums them there in one pass whose
     words never leave the cache. On the wire: the default mode's bytes
@@ -36,7 +40,7 @@ its ``backward`` and the reductions of its ``step`` to :class:`ReproducibleStep`
     words per element whenever the rows are full
     (:func:`mpishard.kernels.deposit.deposit_rows`: one pass over the words for
     the rows); at ``step()``: ``Allreduce(MAX)`` of the chunk bins over
-    ``groups.dp``, the words summed over it (DDP: ``Allreduce``; ZeRO-2:
+    ``groups.dp``, the words summed over it (DDP: ``Allreduce``; ZeRO-2/3:
     ``Reduce_scatter`` or ``Allreduce``) and converted back.
 
   The loss (:class:`~mpishard.reprosum.ScalarSum`), and for clipping the global
@@ -47,8 +51,8 @@ its ``backward`` and the reductions of its ``step`` to :class:`ReproducibleStep`
   in those words and flags the rank that computed it: the step is refused.
 
 What holds: parameters, optimizer state and losses are bitwise equal for every
-data-parallel size that divides the unit count, DDP or ZeRO-2 (both reduce
-methods), any gradient accumulation on unit boundaries, with or without
+data-parallel size that divides the unit count, DDP, ZeRO-2 or ZeRO-3 (every
+reduce method), any gradient accumulation on unit boundaries, with or without
 clipping, pipeline sizes, schedules and micro-batch counts at one
 tensor-parallel size, and across a checkpoint restart or resize (state is
 stored exactly). Tensor-parallel sizes change how a layer's matrix products are
@@ -66,6 +70,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -87,6 +92,7 @@ from ..reprosum import (
     words_to_float,
 )
 from .reproexchange import FloatExchange
+from .totals import StepTotals
 
 __all__ = ["DEFAULT_UNITS", "HELD_UNITS", "ReproducibleStep", "unit_rows_for"]
 
@@ -180,19 +186,48 @@ class ReproducibleStep:
         self._pass_losses = np.zeros(model.micro_batches if self._passes is not None else 0)
         self._real = 0          # the units of this pass that are this rank's (_run_passes)
         self._deposit_seconds = 0.0
+        #: The model's forward/backward calls so far (one per unit).
+        self.calls = 0
 
     # --- backward: one forward/backward per unit ----------------------------------
-    def backward(self, x: Any, y: Any, batch_start: int | None,
-                 global_rows: int | None) -> float:
+    def backward(self, x: Any, y: Any, batch_start: int | None, global_rows: int | None,
+                 replay: Callable[[], None] | None = None) -> float:
         """Run the units of rows ``[batch_start, batch_start + len(x))``; returns
-        their local mean loss. Collective over ``groups.dp`` (one agreement)."""
+        their local mean loss. ``replay``: where the model's passes gather
+        parameters over ``groups.dp`` (ZeRO-3), the hook calls of one
+        ``forward_backward`` without a model. Collective over ``groups.dp``.
+
+        With ``replay``, a short last batch gives the ranks unequal units: those
+        with fewer join the others' gathers without a model, after their own
+        passes. How many is agreed before any pass: a pass waits for its gathers,
+        so a rank must not be waiting in another collective meanwhile. (A
+        pipelined model's passes are run alike on every rank: :meth:`_run_passes`.)
+        """
+        if replay is None or self._passes is not None:
+            return self._units_backward(x, y, batch_start, global_rows)
+        s, rows = self.strategy, len(x)
+        # Without global_rows, as below: every rank has len(x).
+        total = global_rows if global_rows is not None else \
+            rows * s.accumulation_steps * s.dp.size
+        unit = self.unit_rows(total)
+        most = int(s.dp.allreduce(rows, op="max")) // unit if unit else 0
+        calls = self.calls
+        loss = self._units_backward(x, y, batch_start, global_rows)
+        for _ in range(most - (self.calls - calls)):
+            replay()
+        return loss
+
+    def _units_backward(self, x: Any, y: Any, batch_start: int | None,
+                        global_rows: int | None) -> float:
+        """One forward/backward per unit of this rank's rows. Collective over
+        ``groups.dp`` (one agreement)."""
         s = self.strategy
         model, dp = s.model, s.dp
         rows = len(x)
         if batch_start is None:
             # As the default mode assumes: every rank and micro-batch has len(x) rows.
             per_rank = rows * s.accumulation_steps
-            batch_start = dp.rank * per_rank + s._pending_micro * rows
+            batch_start = dp.rank * per_rank + s.totals.micro * rows
             global_rows = per_rank * dp.size
         r = self.unit_rows(global_rows)
         problem = None
@@ -211,7 +246,7 @@ class ReproducibleStep:
         t0 = time.perf_counter()
         self._deposit_seconds = 0.0
         total = 0.0
-        if self._passes is not None and (rows or s._lockstep_passes):
+        if self._passes is not None and (rows or s.placement.lockstep):
             total = self._run_passes(x, y, r, batch_start, global_rows)
         elif rows:
             xb, yb = self._unit_buffers(x, y, r, 0)
@@ -219,17 +254,17 @@ class ReproducibleStep:
                 self._make_room()
                 xb[...] = x[u * r:(u + 1) * r]
                 yb[...] = y[u * r:(u + 1) * r]
-                if s._batch_context:
+                if s.sets_batch_context:
                     model.set_batch_context(s.step_count, batch_start + u * r, global_rows)
-                loss = s._forward_backward(model, xb, yb, False, r)
+                loss = s.run_model(model, xb, yb, False, r)
+                self.calls += 1
                 self._took_unit()
                 self._add_loss(loss, r)
                 total += r * loss
         deposit = self._deposit_seconds
         s.timings["forward_backward"] += time.perf_counter() - t0 - deposit
         s.timings["deposit"] = s.timings.get("deposit", 0.0) + deposit
-        s._pending_micro += 1
-        s._rows += rows
+        s.totals.counted(rows)
         return total / rows if rows else 0.0
 
     def unit_rows(self, global_rows: int) -> int:
@@ -250,7 +285,7 @@ class ReproducibleStep:
         units only in a short last batch). Returns the rows' loss sum."""
         s, model = self.strategy, self.strategy.model
         per_pass, units = model.micro_batches, len(x) // r
-        most = int(s.dp.allreduce(units, op="max")) if s._lockstep_passes else units
+        most = int(s.dp.allreduce(units, op="max")) if s.placement.lockstep else units
         losses, total = self._pass_losses, 0.0
         for first in range(0, most, per_pass):
             count = min(per_pass, most - first)
@@ -270,7 +305,7 @@ class ReproducibleStep:
                 xs.append(xb)
                 ys.append(yb)
             model.forward_backward_units(xs, ys, losses,
-                                         contexts=contexts if s._batch_context else None,
+                                         contexts=contexts if s.sets_batch_context else None,
                                          loss_scale=r, before_backward=self._before_unit,
                                          after_backward=self._after_unit)
             for i in range(self._real):
@@ -306,7 +341,7 @@ class ReproducibleStep:
         if self._n_held == self.held_max:
             self._flush()
         self._held_rows(self._n_held + 1)[self._n_held][...] = \
-            self.strategy._repro_source().reshape(-1)
+            self.strategy.reduction.repro_source(self.strategy.model).reshape(-1)
         self._n_held += 1
         self._pending = False
         self._deposit_seconds += time.perf_counter() - t1
@@ -334,8 +369,7 @@ class ReproducibleStep:
             self._held = self.xp.zeros((rows, self.size), dtype=self.dtype)
             if held is not None:
                 self._held[:held.shape[0]] = held
-            s = self.strategy
-            s._peak_bytes = max(s._peak_bytes, s._current_bytes() + self.nbytes())
+            self.strategy.note_peak(self.nbytes())
         return self._held
 
     def _word_acc(self) -> BinnedAccumulator:
@@ -344,8 +378,7 @@ class ReproducibleStep:
                                             segments=[b - a for a, b in self.segments]
                                             if self.segments else None)
             self._global_bins = self.xp.empty_like(self._words.bins)
-            s = self.strategy
-            s._peak_bytes = max(s._peak_bytes, s._current_bytes() + self.nbytes())
+            self.strategy.note_peak(self.nbytes())
         return self._words
 
     def _flush(self) -> None:
@@ -357,7 +390,7 @@ class ReproducibleStep:
         self._in_words = True
 
     # --- step: the gradient --------------------------------------------------------
-    def reduce(self) -> float:
+    def reduce_step(self) -> float:
         """Sum this step's units over ``groups.dp`` into where the strategy updates
         from; returns the seconds not spent communicating (recorded as
         ``timings["deposit"]`` and ``timings["conversion"]``). Collective over
@@ -366,7 +399,7 @@ class ReproducibleStep:
         dp = s.dp
         t0 = time.perf_counter()
         if dp.size > 1 and self._dp_to_step is None:
-            self._dp_to_step = dp.allgather(s._stepper.rank)
+            self._dp_to_step = dp.allgather(s.totals.group.rank)
         mine = self.held_max + 1 if self._in_words else self._count
         cap = dp.allreduce(mine, op="max") if dp.size > 1 else mine
         t1 = time.perf_counter()
@@ -390,9 +423,9 @@ class ReproducibleStep:
             self._global_bins[...] = acc.bins
             s.dp.Allreduce(self._global_bins, slot="repro-bins", op="max")
             acc.realign(self._global_bins)
-            s._reduce_words(acc)
+            s.reduction.reduce_words(acc)
         t1 = time.perf_counter()
-        out, start, stop = s._repro_target()
+        out, start, stop = s.reduction.repro_target()
         kernels.to_float(acc, out, start, stop)
         acc.clear()
         convert = time.perf_counter() - t1
@@ -405,8 +438,8 @@ class ReproducibleStep:
         s = self.strategy
         dp = s.dp
         ex = self._exchange_plan()
-        out, start, stop = s._repro_target()
-        source = s._repro_source().reshape(-1)
+        out, start, stop = s.reduction.repro_target()
+        source = s.reduction.repro_source(s.model).reshape(-1)
         deposit = 0.0
         if dp.size == 1:
             if self._n_held == 0:       # the one unit where it was computed, or none
@@ -454,7 +487,7 @@ class ReproducibleStep:
     def _exchange_plan(self) -> FloatExchange:
         if self._exchange is None:
             s = self.strategy
-            targets = s._repro_shards()
+            targets = s.reduction.repro_shards()
             replicated = targets is None
             if replicated:
                 grid = ChunkGrid([b - a for a, b in self.segments])
@@ -462,38 +495,46 @@ class ReproducibleStep:
                 targets = [Range(a, b) for a, b in zip(cuts, cuts[1:] + [self.size])]
             self._exchange = FloatExchange(self.segments, list(targets), s.dp.rank,
                                             self.dtype, self.xp, replicated)
-            s._peak_bytes = max(s._peak_bytes, s._current_bytes() + self.nbytes())
+            s.note_peak(self.nbytes())
         return self._exchange
 
     # --- step: the totals (loss, sum of squares) -------------------------------------
-    def fill_totals(self, buf: Any, base: int, clipping: bool) -> None:
+    def fill_totals(self, totals: StepTotals, clipping: bool) -> None:
+        """This rank's totals into the step buffer, the loss and the squares as
+        binned words after the flags (:meth:`_fill_words`). Collective over the
+        step group."""
+        totals.fill(clipping)
+        self._fill_words(totals, clipping)
+
+    def _fill_words(self, totals: StepTotals, clipping: bool) -> None:
         """Agree on the loss's and the squares' bins over the step group and write
-        this rank's words at ``buf[base:]``, and the flags (at ``buf[base -
-        step size + rank]``) of the ranks where a unit's loss or gradient was not
-        finite; their NaN in the words makes the step's loss or norm NaN.
-        Collective over the step group."""
-        s = self.strategy
-        flags = base - s._stepper.size
+        this rank's words into the step buffer after the flags
+        ([`StepTotals.tail`][mpishard.parallel.totals.StepTotals]), and the flags
+        of the ranks where a unit's loss or gradient was not finite; their NaN
+        in the words makes the step's loss or norm NaN. Collective over the step
+        group."""
+        buf, base, group = totals.buffer, totals.tail, totals.group
+        flags = base - group.size
         if self._bad_loss or self._bad_grad:
-            buf[flags + s._stepper.rank] = 1.0
+            buf[flags + group.rank] = 1.0
         if self._bad_rank is not None:
             buf[flags + (self._dp_to_step[self._bad_rank] if self._dp_to_step
-                         else s._stepper.rank)] = 1.0
+                         else group.rank)] = 1.0
         bins = self._small_bins
-        bins[0] = self.loss.bin if s._counts_rows else EMPTY_BIN
+        bins[0] = self.loss.bin if totals.counts_rows else EMPTY_BIN
         bins[1] = EMPTY_BIN
         pieces = []
         if clipping:
-            vector = s._norm_vector()
-            pieces = [vector[r.start:r.stop] for r in s._norm_ranges]
+            vector = totals.norm_vector()
+            pieces = [vector[r.start:r.stop] for r in totals.norm_ranges]
             top = max((kernels.max_magnitude(p) for p in pieces), default=0.0)
             if math.isfinite(top * top):
                 bins[1] = bin_of(top * top, NORM_WORD_BITS)
             else:       # the step is refused: its squares do not matter
                 self._bad_grad = True
                 pieces = []
-        s._stepper.Allreduce(bins, slot="repro-small", op="max")
-        if s._counts_rows:
+        group.Allreduce(bins, slot="repro-small", op="max")
+        if totals.counts_rows:
             self.loss.realign(int(bins[0]))
             buf[base:base + _LOSS_WORDS] = self.loss.words
         self.loss.clear()
@@ -511,9 +552,16 @@ class ReproducibleStep:
         self._bad_loss = self._bad_grad = False
         self._bad_rank = None
 
-    def read_totals(self, buf: Any, base: int) -> tuple[float, float]:
+    def read_totals(self, totals: StepTotals, clipping: bool) -> None:
+        """After the step's ``Allreduce``: the exact loss sum and (with clipping, or
+        NaN: a rank's unit gradient was not finite) sum of squares from the words."""
+        loss_sum, squares = self._read_words(totals)
+        totals.set(loss_sum, squares if clipping or not math.isfinite(squares) else None)
+
+    def _read_words(self, totals: StepTotals) -> tuple[float, float]:
         """The global loss sum and sum of squares from the reduced words (NaN where
         a rank's was not finite)."""
+        buf, base = totals.buffer, totals.tail
         bins = self._small_bins
         loss_words = buf[base:base + _LOSS_WORDS].tolist()
         square_words = buf[base + _LOSS_WORDS:base + self.extra].tolist()
@@ -526,9 +574,8 @@ class ReproducibleStep:
         return loss, squares
 
     def nbytes(self) -> int:
-        shards = getattr(self.strategy, "_repro_words", None)
         held = int(self._held.nbytes) if self._held is not None else 0
         words = self._words.nbytes() if self._words is not None else 0
         exchange = self._exchange.nbytes() if self._exchange is not None else 0
-        return (held + words + exchange + (shards.nbytes() if shards is not None else 0)
+        return (held + words + exchange + self.strategy.reduction.repro_nbytes()
                 + sum(int(a.nbytes) + int(b.nbytes) for a, b in self._units.values()))

@@ -2,31 +2,35 @@
 3D replicas kept, ZeRO-2 shards from buddy copies, a rollback to a checkpoint, or a
 typed hand-over to a relaunch.
 
-The mechanism (revoke, shrink, agree) is :mod:`mpishard.comm.ulfm`'s; this package
-is the policy. The training loop talks to it through :class:`Recovery` only:
-``after_step(position)`` after each step, ``recover(error) -> event`` when a step
-fails; a :class:`~mpishard.errors.HandOver` ends the process
-(:func:`~mpishard.recovery.handover.leave`). The rules are on the docs site's
-faults page.
+The mechanism (revoke, shrink, agree) is [`mpishard.comm.ulfm`][mpishard.comm.ulfm]'s; this package
+is the policy. The training loop talks to it through
+[`RecoveryPolicy`][mpishard.recovery.policy.RecoveryPolicy] only:
+``after_step(position)`` after each step, ``recover(error) ->``
+[`Recovered`][mpishard.recovery.common.Recovered] when a step fails; a
+[`HandOver`][mpishard.errors.HandOver] ends the process
+([`hand_over`][mpishard.recovery.handover.hand_over]). Recovery never asks a
+core's class: it asks the core ([`RecoverableCore`][mpishard.protocols.RecoverableCore])
+and its parts. The rules are on the docs site's faults page.
 """
 
 from ..errors import HandOver, InexactRecoveryWarning
-from .common import StepMarks
-from .handover import leave
+from .common import Recovered, StepMarks
+from .handover import hand_over
 from .inplace import communicators, recover_in_place, recoverable, shrink_only
-from .policy import Recovery
+from .policy import RecoveryPolicy
 from .replicas import drop_replicas, whole_replicas
 from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
 
 __all__ = [
     "HandOver",
     "InexactRecoveryWarning",
-    "Recovery",
+    "Recovered",
+    "RecoveryPolicy",
     "ShardBuddy",
     "StepMarks",
     "communicators",
     "drop_replicas",
-    "leave",
+    "hand_over",
     "recover_in_place",
     "recoverable",
     "shrink_only",
@@ -34,3 +38,7 @@ __all__ = [
     "zero2_candidates",
     "zero2_rebuild",
 ]
+
+# 0.5's names (the faults guide names them), kept importable.
+Recovery = RecoveryPolicy
+leave = hand_over

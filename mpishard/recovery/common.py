@@ -1,15 +1,66 @@
-"""What every in-place recovery does the same way: the survivors' configuration and
-the data position at the step it goes on from."""
+"""What every in-place recovery does the same way: the survivors' configuration, the
+data position at the step it goes on from, and the ``Recovered`` event."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from ..comm import FlatComm, ulfm
 from ..config import ShardingConfiguration
 
-__all__ = ["StepMarks", "error_text", "put_state", "survivors_config"]
+__all__ = ["Recovered", "StepMarks", "error_text", "put_state", "survivors_config"]
+
+
+@dataclass
+class Recovered:
+    """What a recovery from a lost rank did: the training loop's ``recovered``
+    record ([`record`][mpishard.recovery.common.Recovered.record]; its fields are
+    listed on the docs site's training-loop page).
+
+    Attributes:
+        lost_ranks: the ``MPI.COMM_WORLD`` ranks that are gone.
+        step: the step the run goes on from.
+        world_size: the survivors that go on.
+        seconds: the whole recovery; shrink_seconds: its revoke, shrink and agree.
+        survivor_steps: each survivor's step count when it failed.
+        source: where the state came from: ``"survivor"`` (replicated state),
+            ``"buddy"`` (sharded state, from the copies), ``"checkpoint"`` (rolled
+            back), ``"replica"`` (a 3D layout that dropped replicas).
+        rolled_back_from: the checkpoint's path, or None.
+        error: MPI's error string of the failure.
+        dropped_ranks, data_parallel_size: ``"replica"`` only.
+        buddy_bytes, buddy_seconds: with buddy copies, what they cost so far.
+    """
+
+    lost_ranks: list[int]
+    step: int
+    world_size: int
+    seconds: float
+    shrink_seconds: float
+    survivor_steps: list[int]
+    source: str
+    rolled_back_from: str | None = None
+    error: str | None = None
+    dropped_ranks: list[int] | None = None
+    data_parallel_size: int | None = None
+    buddy_bytes: int | None = None
+    buddy_seconds: float | None = None
+
+    def record(self) -> dict[str, Any]:
+        """The event as a JSON-ready dict (``"event": "recovered"``, ``"from"``:
+        ``source``), as ``TrainResult.recoveries`` and the metrics file hold it."""
+        out = {"event": "recovered", "lost_ranks": self.lost_ranks, "step": self.step,
+               "world_size": self.world_size, "seconds": self.seconds,
+               "shrink_seconds": self.shrink_seconds, "survivor_steps": self.survivor_steps,
+               "rolled_back_from": self.rolled_back_from, "from": self.source,
+               "error": self.error}
+        for name in ("dropped_ranks", "data_parallel_size", "buddy_bytes", "buddy_seconds"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
 
 
 class StepMarks:
@@ -57,9 +108,10 @@ def put_state(core: Any, whole: dict[str, Any] | None, old: dict[str, Any], grou
     vectors (ZeRO-2, put together from shards and copies), or else ``old``, the
     state the core held before, as held by rank ``root`` of ``group`` (every
     replica holds it whole). Collective over ``group`` (the second case)."""
+    owned = core.placement.owned()
     for name, value in (whole if whole is not None else old).items():
         if whole is not None:
-            core.state[name][...] = value[core.shard.start:core.shard.stop]
+            core.state[name][...] = value[owned.start:owned.stop]
         else:
             core.state[name][...] = value
             group.Bcast(core.state[name], root=root)

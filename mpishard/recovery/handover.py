@@ -8,14 +8,18 @@ from typing import NoReturn
 from ..comm import ulfm
 from ..errors import HandOver
 
-__all__ = ["leave"]
+__all__ = ["hand_over"]
 
 
-def leave(over: HandOver) -> NoReturn:
+def hand_over(over: HandOver) -> NoReturn:
     """End this process with ``over.exit_code`` (no ``MPI_Finalize``:
-    :func:`mpishard.comm.ulfm.leave`), its ``speaker`` writing the message on
-    stderr first. Local."""
+    [`ulfm.exit_now`][mpishard.comm.ulfm.exit_now]), its ``speaker`` writing the
+    message on stderr first. Local."""
     if over.speaker:
         sys.stderr.write(f"[mpishard] {over}\n")
-    ulfm.leave(over.exit_code)
-    raise AssertionError("unreachable: ulfm.leave ends the process")
+    ulfm.exit_now(over.exit_code)
+    raise AssertionError("unreachable: ulfm.exit_now ends the process")
+
+
+#: 0.5's name of ``hand_over`` (the faults guide names it), kept importable.
+leave = hand_over

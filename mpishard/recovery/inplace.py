@@ -10,9 +10,8 @@ from ..checkpoint import CheckpointManager
 from ..comm import FlatComm, ulfm
 from ..errors import HandOver, InexactRecoveryWarning
 from ..exitcodes import EXIT_STOPPED
-from ..parallel import DDPCore, HybridCore, HybridShardedModel, ZeRO2Core, ZeRO3Core
-from ..protocols import StrategyCore
-from .common import StepMarks, error_text, put_state, survivors_config
+from ..protocols import RecoverableCore, StrategyCore
+from .common import Recovered, StepMarks, error_text, put_state, survivors_config
 from .replicas import drop_replicas
 from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
 
@@ -20,42 +19,25 @@ __all__ = ["communicators", "recover_in_place", "recoverable", "shrink_only"]
 
 
 def communicators(core: StrategyCore) -> list[FlatComm]:
-    """Every communicator ``core`` and its model wait on: the world, the data,
-    tensor and pipeline groups, the step's group, ZeRO-3's gathers' and a
-    two-level or ring reduction's. For
-    :func:`mpishard.comm.ulfm.recover`'s ``also``. Local."""
-    groups = core.config.groups
-    found = [groups.world, groups.dp, groups.tp, groups.pp, getattr(core, "_stepper", None),
-             getattr(core, "gather_comm", None)]
-    reducer = getattr(core, "reducer", None)
-    for name in ("node", "cross", "gather", "ring"):     # HierarchicalComm's, RingComm's
-        found.append(getattr(reducer, name, None))
-    return [c for c in found if isinstance(c, FlatComm)]
+    """Every communicator ``core`` and its model wait on, as the core names them
+    ([`communicators`][mpishard.parallel.base.DataParallelCore.communicators]):
+    for [`ulfm.recover`][mpishard.comm.ulfm.recover]'s ``also``. Local."""
+    return core.communicators() if isinstance(core, RecoverableCore) else \
+        [core.config.groups.world, core.dp]
 
 
 def recoverable(core: StrategyCore) -> str | None:
-    """None when :func:`recover_in_place` can rebuild ``core`` over the
-    survivors, else why not (a 3D layout with one data-parallel replica, or tensor
-    or pipeline parallelism outside a hybrid core: the lost rank held a piece of
-    the model no survivor has). Local."""
-    topo = core.config.topology
-    if isinstance(core, HybridCore):
-        if topo.dp < 2 or not isinstance(core.model, HybridShardedModel):
-            return (f"the layout has tensor_parallel_size={topo.tp}, pipeline_parallel_size="
-                    f"{topo.pp} and data_parallel_size={topo.dp}: the lost rank held a piece "
-                    f"of the only model replica")
-        return None
-    if topo.tp * topo.pp != 1:
-        return (f"the layout has tensor_parallel_size={topo.tp} and "
-                f"pipeline_parallel_size={topo.pp}: the lost rank held a piece of the "
-                f"model that no survivor has")
-    if not isinstance(core, (DDPCore, ZeRO2Core)) or core.model is None:
-        return (f"in-place recovery needs an attached DDP or ZeRO-2 core, got "
-                f"{type(core).__name__}")
-    return None
+    """None when ``recover_in_place`` can rebuild ``core`` over the
+    survivors, else why not (as the core says: a 3D layout with one
+    data-parallel replica, tensor or pipeline parallelism outside a hybrid
+    core, no model). Local."""
+    if not isinstance(core, RecoverableCore):
+        return (f"in-place recovery needs a core that names its parts (DDP, ZeRO-2, "
+                f"ZeRO-3, hybrid), got {type(core).__name__}")
+    return core.recovery_problem()
 
 
-def shrink_only(core: StrategyCore, exc: BaseException | None = None) -> ulfm.Recovery:
+def shrink_only(core: StrategyCore, exc: BaseException | None = None) -> ulfm.Survivors:
     """Revoke and shrink the core's world and agree on the last completed step,
     without rebuilding anything. Collective over the survivors."""
     if exc is not None and not ulfm.is_failure(exc):
@@ -66,9 +48,9 @@ def shrink_only(core: StrategyCore, exc: BaseException | None = None) -> ulfm.Re
 def recover_in_place(core: StrategyCore, exc: BaseException | None = None, *,
                      checkpoints: CheckpointManager | None = None,
                      buddy: ShardBuddy | None = None, marks: StepMarks | None = None
-                     ) -> tuple[StrategyCore, dict[str, Any]]:
+                     ) -> tuple[StrategyCore, Recovered]:
     """After a rank failure, ``core`` itself rebuilt over the survivors
-    (:meth:`~mpishard.parallel.DataParallelCore.rebuild`: same object, same
+    ([`rebuild`][mpishard.parallel.DataParallelCore.rebuild]: same object, same
     options), and the ``recovered`` event; how each strategy goes on is on the
     docs site's faults page. ``exc``: the failure (raised again if it is not
     one); ``buddy``: ZeRO-2's copies; ``marks``: the loop's data positions of
@@ -76,7 +58,7 @@ def recover_in_place(core: StrategyCore, exc: BaseException | None = None, *,
 
     Raises:
         HandOver: on every survivor (exit 75, the lowest survivor speaks): a layout
-            that cannot go on in place (:func:`recoverable`; a 3D layout where no
+            that cannot go on in place (``recoverable``; a 3D layout where no
             replica is whole), or ZeRO-2 with neither the lost shard nor
             ``checkpoints``; on the alive ranks of a dropped 3D replica (exit 0).
     """
@@ -90,28 +72,14 @@ def recover_in_place(core: StrategyCore, exc: BaseException | None = None, *,
         raise HandOver(f"lost world rank(s) {rec.lost} after step {rec.step}, cannot go on "
                        f"in place ({why})",
                        exit_code=EXIT_STOPPED, speaker=rec.world.rank == 0)
-    if isinstance(core, HybridCore):   # whole replicas go on
+    if core.drops_replicas:   # whole replicas go on
         return core, drop_replicas(core, rec, buddy=buddy, marks=marks, exc=exc)
-    zero2 = isinstance(core, ZeRO2Core)
-    step, model = rec.step, core.model
-    full = params = None
-    if zero2:
-        found = zero2_candidates(core, buddy, rec.world)
-        if found:
-            step = max(found)
-            params, full = zero2_rebuild(core, buddy, rec.world, step)
-            if not isinstance(core, ZeRO3Core):
-                model.params[...] = params
-    if isinstance(core, ZeRO3Core):
-        # The whole vector, for rebuild() to shard again without gathering over the
-        # broken group: the buddies' (a roll-back overwrites it from the checkpoint).
-        core.unshard(params if full is not None else
-                     core.xp.zeros(core.layout.size, dtype=core.dtype))
-    if zero2 and full is None and checkpoints is None:
-        raise HandOver("cannot recover ZeRO-2 in place: the lost rank's shard of the "
-                       "optimizer state is gone (no buddy copy of it) and there is no "
-                       "checkpoint folder; restart from a checkpoint",
-                       exit_code=EXIT_STOPPED, speaker=rec.world.rank == 0)
+    # How the placement's state is put back: sent by a survivor (replicated), or
+    # put together from the survivors' shards and the buddy copies (sharded).
+    sharded = core.placement.recovery == "sharded"
+    step, model, full = rec.step, core.model, None
+    if sharded:
+        step, full = _sharded_state(core, buddy, rec, checkpoints)
     config = survivors_config(old, rec.world.comm)
     world = config.groups.world
     state = core.state
@@ -119,29 +87,54 @@ def recover_in_place(core: StrategyCore, exc: BaseException | None = None, *,
                                                        core.data_position)
     skipped, position = marks.agreed(world, core, step, world.allgather(core.step_count),
                                      rec.source)
-    if not zero2:
+    if not sharded:
         world.Bcast(model.params, root=rec.source)
     core.rebuild(config)
     rolled_back = None
-    if zero2 and full is None:
+    if sharded and full is None:
         rolled_back = _roll_back(core, checkpoints, rec, world)
     else:
         put_state(core, full, state, world, rec.source)
     if rolled_back is None:
-        core.step_count = step
-        core.skipped_steps, core.data_position = skipped, position
+        core.set_progress(step_count=step, skipped_steps=skipped, data_position=position)
     # The shrunk communicator stays allocated: it is the new configuration's ``comm``.
-    event = {"event": "recovered", "lost_ranks": rec.lost, "step": core.step_count,
-             "world_size": world.size, "seconds": time.perf_counter() - t0,
-             "shrink_seconds": rec.seconds, "survivor_steps": rec.steps,
-             "rolled_back_from": rolled_back,
-             "from": ("checkpoint" if rolled_back else "buddy" if full is not None
-                      else "survivor"),
-             "error": error_text(exc)}
+    event = Recovered(lost_ranks=rec.lost, step=core.step_count, world_size=world.size,
+                      seconds=time.perf_counter() - t0, shrink_seconds=rec.seconds,
+                      survivor_steps=rec.steps, rolled_back_from=rolled_back,
+                      source=("checkpoint" if rolled_back else "buddy" if full is not None
+                              else "survivor"),
+                      error=error_text(exc))
     return core, event
 
 
-def _roll_back(core: ZeRO2Core, checkpoints: CheckpointManager, rec: ulfm.Recovery,
+def _sharded_state(core: RecoverableCore, buddy: ShardBuddy | None, rec: ulfm.Survivors,
+                   checkpoints: CheckpointManager | None) -> tuple[int, Any]:
+    """``(step, whole state)`` of a sharded placement, put together from the
+    survivors' shards and buddy copies (None: it cannot be, and a roll-back to
+    ``checkpoints`` follows); the model given its whole vector for ``rebuild()``
+    to shard again without gathering over the broken group. Collective over
+    ``rec.world``.
+
+    Raises:
+        HandOver: on every survivor, no buddy copy of a lost shard and no checkpoints.
+    """
+    found = zero2_candidates(core, buddy, rec.world)
+    if found:
+        step = max(found)
+        params, full = zero2_rebuild(core, buddy, rec.world, step)
+        core.whole_parameters(params)
+        return step, full
+    if checkpoints is None:
+        raise HandOver("cannot recover ZeRO-2 in place: the lost rank's shard of the "
+                       "optimizer state is gone (no buddy copy of it) and there is no "
+                       "checkpoint folder; restart from a checkpoint",
+                       exit_code=EXIT_STOPPED, speaker=rec.world.rank == 0)
+    if core.model.params is None:     # the roll-back overwrites it from the checkpoint
+        core.whole_parameters(core.xp.zeros(core.layout.size, dtype=core.dtype))
+    return rec.step, None
+
+
+def _roll_back(core: RecoverableCore, checkpoints: CheckpointManager, rec: ulfm.Survivors,
                world: FlatComm) -> str:
     """ZeRO-2 without the lost shard: the whole state from the newest checkpoint,
     resharded over the survivors; its path. Collective over ``world``."""

@@ -1,4 +1,4 @@
-"""``Recovery``: the training loop's one object for a lost rank (fault tolerance on)."""
+"""``RecoveryPolicy``: the training loop's one object for a lost rank (fault tolerance on)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,18 @@ from ..checkpoint import CheckpointManager
 from ..comm import ulfm
 from ..errors import HandOver
 from ..exitcodes import EXIT_STOPPED
-from ..parallel import ZeRO2Core
 from ..protocols import StrategyCore
-from .common import StepMarks
+from .common import Recovered, StepMarks
 from .inplace import recover_in_place
 from .shardcopy import ShardBuddy
 
-__all__ = ["Recovery"]
+__all__ = ["RecoveryPolicy"]
 
 
-class Recovery:
+class RecoveryPolicy:
     """What the training loop does about a lost rank: keep what a recovery needs
-    after every step (:meth:`after_step`), and go on over the survivors when a
-    step fails (:meth:`recover`). Inactive (costs nothing) where fault tolerance
+    after every step (``after_step``), and go on over the survivors when a
+    step fails (``recover``). Inactive (costs nothing) where fault tolerance
     is off.
 
     Args:
@@ -48,7 +47,9 @@ class Recovery:
 
     def _new_buddy(self) -> ShardBuddy | None:
         core = self.core
-        keep = self.active and isinstance(core, ZeRO2Core) and core.buddy_copies
+        # Sharded state has one holder: a copy keeps a lost shard (ZeRO-2 and ZeRO-3).
+        keep = (self.active and core.placement.recovery == "sharded"
+                and core.options.buddy_copies)
         return ShardBuddy(core) if keep else None
 
     def after_step(self, position: dict[str, int]) -> None:
@@ -64,9 +65,9 @@ class Recovery:
         """Whether ``exc`` says a rank died and this run goes on without it."""
         return self.active and ulfm.is_failure(exc)
 
-    def recover(self, exc: BaseException) -> dict[str, Any]:
+    def recover(self, exc: BaseException) -> Recovered:
         """The core rebuilt over the survivors
-        (:func:`~mpishard.recovery.recover_in_place`), and the ``recovered`` event.
+        ([`recover_in_place`][mpishard.recovery.recover_in_place]), and the ``recovered`` event.
         Collective over the survivors.
 
         Raises:
@@ -81,7 +82,7 @@ class Recovery:
         except HandOver as over:
             raise self._labelled(over) from None
         if self.buddy is not None:   # what the copies cost so far
-            event["buddy_bytes"], event["buddy_seconds"] = self.buddy.nbytes, self.buddy.seconds
+            event.buddy_bytes, event.buddy_seconds = self.buddy.nbytes, self.buddy.seconds
         core = self.core
         self.buddy = self._new_buddy()
         self.marks = StepMarks(core.step_count, core.skipped_steps, core.data_position)
@@ -89,7 +90,7 @@ class Recovery:
         if world.size < self.min_workers:
             path = self.save("too-few-workers")
             why = (f"{world.size} worker(s) left after losing world rank(s) "
-                   f"{event['lost_ranks']}, fewer than min_workers={self.min_workers}: "
+                   f"{event.lost_ranks}, fewer than min_workers={self.min_workers}: "
                    + (f"checkpoint {path} at step {core.step_count}" if path is not None
                       else "no checkpoint folder, nothing saved"))
             raise self._labelled(HandOver(why, exit_code=EXIT_STOPPED, speaker=world.rank == 0,

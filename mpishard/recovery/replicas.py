@@ -11,7 +11,7 @@ dp_rank) * tp + tp_rank``): replica 0 is ranks {0, 1, 4, 5}, replica 1 is
 {2, 3, 6, 7}. World rank 6 dies: replica 1 is dropped (ranks 2, 3 and 7 leave,
 after helping), replica 0 goes on as a 4-rank job with dp=1, its ranks 0, 1, 4,
 5 renumbered 0, 1, 2, 3 (the split keeps the old order, so the ``tp-dp-pp``
-order of :mod:`mpishard.topology` still holds).
+order of [`mpishard.topology`][mpishard.topology] still holds).
 
 The survivors of the whole replicas form a new world (a split in the old rank
 order) and configuration (the old options, errors returned); the model and the
@@ -25,7 +25,7 @@ parameters and state together at the newest step every group can rebuild
 exactly (its survivors' shards and the buddy copies of the lost ones), resharded
 over the kept ranks. The step count, skipped steps and data position are that
 step's. The alive ranks of dropped replicas, once they have helped, raise
-:class:`~mpishard.errors.HandOver` with exit code 0 (each says its own line).
+[`HandOver`][mpishard.errors.HandOver] with exit code 0 (each says its own line).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from typing import Any
 from ..comm import FlatComm, ulfm, world_rank
 from ..errors import HandOver
 from ..exitcodes import EXIT_STOPPED
-from ..parallel import HybridCore, HybridShardedModel, HybridZeRO2Core, ZeRO2Core
+from ..protocols import RecoverableCore
 from ..topology import Topology
-from .common import StepMarks, error_text, put_state, survivors_config
+from .common import Recovered, StepMarks, error_text, put_state, survivors_config
 from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
 
 __all__ = ["drop_replicas", "whole_replicas"]
@@ -63,15 +63,15 @@ def whole_replicas(topology: Topology, alive: Iterable[int]
     return [d for d in range(topology.dp) if d not in lost], lost
 
 
-def drop_replicas(strategy: HybridCore, rec: ulfm.Recovery, *,
+def drop_replicas(strategy: RecoverableCore, rec: ulfm.Survivors, *,
                   buddy: ShardBuddy | None = None, marks: StepMarks | None = None,
-                  exc: BaseException | None = None) -> dict[str, Any]:
+                  exc: BaseException | None = None) -> Recovered:
     """After a rank failure in a 3D layout: drop every replica that lost a rank
     and rebuild ``strategy`` and its model in place over the whole replicas (the
     module docstring says how); the ``recovered`` event (``"from": "replica"``,
     with ``dropped_ranks`` and ``data_parallel_size``). ``rec``: what
-    :func:`mpishard.comm.ulfm.recover` agreed; ``buddy``, ``marks``, ``exc``: as
-    :func:`~mpishard.recovery.recover_in_place`'s. Collective over ``rec.world``.
+    [`ulfm.recover`][mpishard.comm.ulfm.recover] agreed; ``buddy``, ``marks``, ``exc``: as
+    [`recover_in_place`][mpishard.recovery.recover_in_place]'s. Collective over ``rec.world``.
 
     Raises:
         HandOver: on every survivor (exit 75, rank 0 of ``rec.world`` speaks): no
@@ -84,8 +84,8 @@ def drop_replicas(strategy: HybridCore, rec: ulfm.Recovery, *,
     t0 = time.perf_counter()
     world = rec.world
     model = strategy.model
-    world.agree(None if isinstance(strategy, HybridCore)
-                and isinstance(model, HybridShardedModel) else
+    world.agree(None if isinstance(strategy, RecoverableCore) and strategy.drops_replicas
+                and strategy.recovery_problem() is None else
                 f"drop_replicas needs a hybrid core attached to a "
                 f"HybridShardedModel, got {type(strategy).__name__} with "
                 f"{type(model).__name__}", TypeError)
@@ -95,11 +95,11 @@ def drop_replicas(strategy: HybridCore, rec: ulfm.Recovery, *,
     # One allgather decides everything: who is left where, and at which step.
     every = world.allgather((old.groups.world.rank, me.dp, me.tp, me.pp, strategy.step_count))
     kept, broken = whole_replicas(topo, [r for r, *_ in every])
-    # Strategy._who[r] = (dp rank, MPI.COMM_WORLD rank) of old world rank r, gathered
+    # totals.who[r] = (dp rank, MPI.COMM_WORLD rank) of old world rank r, gathered
     # at attach over the world (a hybrid strategy's step group), while all were alive.
-    to_comm_world = [w for _, w in strategy._who]
+    to_comm_world = [w for _, w in strategy.totals.who]
     lost_by_replica = {d: [to_comm_world[r] for r in lost] for d, lost in broken.items()}
-    zero2 = isinstance(strategy, ZeRO2Core)     # ZeRO-3's shards too
+    zero2 = strategy.placement.recovery == "sharded"     # ZeRO-3's shards too
 
     def hand_over(why: str) -> HandOver:
         return HandOver(f"cannot recover in place: {why}; restart from a checkpoint",
@@ -131,23 +131,30 @@ def drop_replicas(strategy: HybridCore, rec: ulfm.Recovery, *,
     dropped = sorted(to_comm_world[r] for r, d, *_ in every if d not in kept)
 
     config = survivors_config(old, child.comm)
+    _rebuild_kept(strategy, config, full, root)
+    strategy.set_progress(step_count=step, skipped_steps=skipped, data_position=position)
     groups = config.groups
-    state = strategy.state
+    return Recovered(lost_ranks=rec.lost, step=step, world_size=groups.world.size,
+                     seconds=rec.seconds + time.perf_counter() - t0,
+                     shrink_seconds=rec.seconds, survivor_steps=rec.steps, source="replica",
+                     error=error_text(exc), dropped_ranks=dropped,
+                     data_parallel_size=config.topology.dp)
+
+
+def _rebuild_kept(strategy: RecoverableCore, config: Any, full: tuple[Any, Any] | None,
+                  root: int) -> None:
+    """The model and ``strategy`` rebuilt over ``config`` (the kept ranks), the
+    same objects: the parameters and state ``full`` put together (sharded), or
+    those of rank ``root`` of the new data group (replicated). Collective over
+    ``config.world``."""
+    model, state = strategy.model, strategy.state
     model.rebuild(config)          # the same object, this rank's parameters kept
-    if zero2:
+    if full is not None:
         model.params[...] = full[0]
     else:
-        groups.dp.Bcast(model.params, root=root)
+        config.groups.dp.Bcast(model.params, root=root)
     strategy.rebuild(config)       # the same object and options, over the kept ranks
-    put_state(strategy, full[1] if zero2 else None, state, groups.dp, root)
-    strategy.step_count = step
-    strategy.skipped_steps, strategy.data_position = skipped, position
-    return {"event": "recovered", "lost_ranks": rec.lost, "step": step,
-            "world_size": groups.world.size, "seconds": rec.seconds + time.perf_counter() - t0,
-            "shrink_seconds": rec.seconds, "survivor_steps": rec.steps,
-            "rolled_back_from": None, "from": "replica",
-            "error": error_text(exc),
-            "dropped_ranks": dropped, "data_parallel_size": config.topology.dp}
+    put_state(strategy, full[1] if full is not None else None, state, config.groups.dp, root)
 
 
 def _ddp_step(every: list[tuple[int, ...]], kept: list[int], me: Any,
@@ -170,7 +177,7 @@ def _ddp_step(every: list[tuple[int, ...]], kept: list[int], me: Any,
     return step, counts[(me.tp, me.pp)][step] if me.dp in kept else 0
 
 
-def _zero2_rebuild(strategy: HybridZeRO2Core, buddy: ShardBuddy | None, world: FlatComm,
+def _zero2_rebuild(strategy: RecoverableCore, buddy: ShardBuddy | None, world: FlatComm,
                    me: Any, hand_over: Callable[[str], HandOver]
                    ) -> tuple[int, tuple[Any, dict[str, Any]]]:
     """ZeRO-2: the newest step every (tensor, stage) data-parallel group can put

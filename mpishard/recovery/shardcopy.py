@@ -4,20 +4,19 @@ nothing read from disk.
 A ZeRO-2 rank is the only holder of its shard of the optimizer state, and, between
 its update and the parameter ``Allgatherv``, of its shard's new parameters; a
 ZeRO-3 rank of its shard of the parameters at all times. Two copies keep the run
-exact when it dies (ULFM, :mod:`mpishard.recovery`):
+exact when it dies (ULFM, [`mpishard.recovery`][mpishard.recovery]):
 
-* :class:`ShardBuddy`: each rank keeps its right neighbour's shard (parameters and
+* ``ShardBuddy``: each rank keeps its right neighbour's shard (parameters and
   optimizer state) as of the last two completed steps, refreshed after every step;
-* :meth:`ZeRO2Core.keep_previous_step
-  <mpishard.parallel.ZeRO2Core.keep_previous_step>`: each rank keeps its own
-  shard as it was before its last update.
+* [`keep_previous_step`][mpishard.parallel.placement.GatheredAfterStep.keep_previous_step]
+  of a sharded placement: each rank keeps its own shard as it was before its last update.
 
 A death anywhere in a step then leaves the survivors one of two consistent points:
 the step every survivor completed (the state as it is, the lost shards from their
 copies), or the step before it (a survivor that had updated takes its shard back
 from before the update; the lost shards come from the older copies).
-:func:`zero2_candidates` says which of them the survivors of one data-parallel
-group can rebuild; :func:`zero2_rebuild` rebuilds the whole parameters and state at
+``zero2_candidates`` says which of them the survivors of one data-parallel
+group can rebuild; ``zero2_rebuild`` rebuilds the whole parameters and state at
 one of them. The survivors then train the interrupted step again, over fewer ranks.
 """
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from ..comm import FlatComm
 from ..flat import Range
-from ..parallel import ZeRO2Core
+from ..protocols import RecoverableCore
 
 __all__ = ["ShardBuddy", "zero2_candidates", "zero2_rebuild"]
 
@@ -42,16 +41,17 @@ class ShardBuddy:
     """ZeRO-2's buddy copy: each data-parallel rank also keeps the shard of the
     next rank (``(r + 1) % n``), its parameters and its optimizer state, as of the
     last two completed steps, so that a lost rank's shard survives with its left
-    neighbour and :func:`~mpishard.recovery.recover_in_place` goes on
+    neighbour and [`recover_in_place`][mpishard.recovery.recover_in_place] goes on
     exactly, whatever the point of the step where the rank died.
 
-    Building it turns on :meth:`~mpishard.parallel.ZeRO2Core.keep_previous_step`
+    Building it turns on the placement's
+    [`keep_previous_step`][mpishard.parallel.placement.GatheredAfterStep.keep_previous_step]
     and sends the first copies (collective over ``strategy.dp``).
 
     Costs: memory, per rank, two copies of a neighbour's shard of the parameters
     and of the state, and one copy of its own (Adam, float64: 3 x 3 x ``params / n``
-    x 8 bytes; :attr:`nbytes`); time, one exchange of the state shard with each
-    neighbour per step and two local copies of a shard (:attr:`seconds`: the total
+    x 8 bytes; ``nbytes``); time, one exchange of the state shard with each
+    neighbour per step and two local copies of a shard (``seconds``: the total
     so far). Under ZeRO-2 the parameters are not sent: each rank copies its
     neighbour's shard out of the full vector the ``Allgatherv`` just rebuilt;
     under ZeRO-3, which holds no full vector, the parameter shard is exchanged
@@ -59,13 +59,14 @@ class ShardBuddy:
     shard is then rolled back to a checkpoint).
     """
 
-    def __init__(self, strategy: ZeRO2Core) -> None:
+    def __init__(self, strategy: RecoverableCore) -> None:
         self.strategy = strategy
         self.dp = strategy.dp
         n, r = self.dp.size, self.dp.rank
         self.rank, self.size = r, n
         self.holds = (r + 1) % n          # whose shard the copies are
-        length = len(strategy.shards[self.holds])
+        self.sharded = strategy.placement.sharded     # the shards and their state
+        length = len(self.sharded.shards[self.holds])
         dtype = strategy.dtype
         self.active = n > 1 and all(isinstance(v, np.ndarray)
                                     for v in (own_parameters(strategy), *strategy.state.values()))
@@ -76,7 +77,7 @@ class ShardBuddy:
         self.completed = -1         # the last step exchanged (sent and received) here
         self.seconds = 0.0
         if self.active:
-            strategy.keep_previous_step()
+            strategy.placement.keep_previous_step()
             self.exchange()
 
     @property
@@ -87,7 +88,7 @@ class ShardBuddy:
     @property
     def nbytes(self) -> int:
         """Bytes of the copies (the neighbour's two and the own one before the update)."""
-        own = self.strategy.previous
+        own = self.sharded.previous
         return (sum(v.nbytes for copy in self.copies for v in copy.values())
                 + (sum(v.nbytes for v in own.values()) if own else 0))
 
@@ -119,7 +120,7 @@ class ShardBuddy:
             handles.append(self.dp.Irecv(copy[name], self.holds, _BUDDY_TAG + i))
             handles.append(self.dp.Isend(value, left, _BUDDY_TAG + i, slot=("buddy", i)))
         if whole:
-            held = self.strategy.shards[self.holds]
+            held = self.sharded.shards[self.holds]
             copy["params"][...] = params[held.start:held.stop]
         for handle in handles:
             handle.wait()
@@ -127,31 +128,34 @@ class ShardBuddy:
         self.seconds += time.perf_counter() - t0
 
 
-def own_parameters(strategy: ZeRO2Core) -> Any:
+def own_parameters(strategy: RecoverableCore) -> Any:
     """This rank's shard of the parameters (a view): of the whole vector under
     ZeRO-2, the shard itself under ZeRO-3. Local."""
     held, params = strategy.parameter_shard()
-    shard = strategy.shard
+    shard = strategy.placement.owned()
     return params[shard.start - held.start:shard.stop - held.start]
 
 
-def _report(strategy: ZeRO2Core, buddy: ShardBuddy | None) -> tuple[int, int, int, int, tuple]:
+def _report(strategy: RecoverableCore, buddy: ShardBuddy | None
+            ) -> tuple[int, int, int, int, tuple]:
     """What a survivor can give: its old dp rank, its step, the step its shard's
     copy from before the update holds (-1: none), whose shard its buddy copies
     are, and the steps they hold."""
     usable = (buddy is not None and buddy.active and buddy.strategy is strategy
               and buddy.size == strategy.dp.size)
-    before = strategy.previous_step if getattr(strategy, "previous", None) is not None else -1
+    sharded = strategy.placement.sharded
+    before = sharded.previous_step if sharded.previous is not None else -1
     if before != strategy.step_count - 1:
         before = -1                 # an older copy: not the step before this one
     return (strategy.dp.rank, strategy.step_count, before,
             buddy.holds if usable else -1, tuple(buddy.steps) if usable else ())
 
 
-def zero2_candidates(strategy: ZeRO2Core, buddy: ShardBuddy | None, group: FlatComm) -> set[int]:
+def zero2_candidates(strategy: RecoverableCore, buddy: ShardBuddy | None,
+                     group: FlatComm) -> set[int]:
     """The steps at which the whole ZeRO-2 state of ``strategy.dp`` can be rebuilt
     exactly from the survivors in ``group`` (every survivor of ``strategy.dp``,
-    which may be revoked: it is not used), with :func:`zero2_rebuild`: the newest
+    which may be revoked: it is not used), with ``zero2_rebuild``: the newest
     step any survivor reached, or the one before, where every survivor holds its
     own shard at that step and every lost shard has a copy at that step on a
     survivor. Empty when none can (no buddy, two neighbours lost). Collective over
@@ -170,20 +174,21 @@ def zero2_candidates(strategy: ZeRO2Core, buddy: ShardBuddy | None, group: FlatC
     return found
 
 
-def zero2_rebuild(strategy: ZeRO2Core, buddy: ShardBuddy | None, group: FlatComm,
+def zero2_rebuild(strategy: RecoverableCore, buddy: ShardBuddy | None, group: FlatComm,
                   step: int) -> tuple[Any, dict[str, Any]]:
     """The whole parameters and optimizer state of ``strategy.dp`` at ``step`` (one
-    of :func:`zero2_candidates`), full length, on every member of ``group``. Each
+    of ``zero2_candidates``), full length, on every member of ``group``. Each
     survivor gives its own shard (as it is, or its copy from before the update)
     and the copy of a lost neighbour's; every byte comes from exactly one rank, so
     a bitwise OR puts them together with no rounding (``-0.0`` and NaN payloads
     kept). Collective over ``group``."""
     every = group.allgather(_report(strategy, buddy))
     lost = set(range(strategy.dp.size)) - {e[0] for e in every}
-    shard = strategy.shard
+    sharded = strategy.placement.sharded
+    shard = sharded.shard
     own = {"params": own_parameters(strategy), **strategy.state}
     if strategy.step_count != step:
-        own = strategy.previous
+        own = sharded.previous
     copy = None
     if buddy is not None and buddy.holds in lost and buddy.holds != strategy.dp.rank:
         copy = buddy.copy_of(step)
@@ -193,7 +198,7 @@ def zero2_rebuild(strategy: ZeRO2Core, buddy: ShardBuddy | None, group: FlatComm
         whole = xp.zeros(size, dtype=value.dtype)
         whole[shard.start:shard.stop] = value
         if copy is not None:   # a buddy is active with NumPy arrays only
-            held = strategy.shards[buddy.holds]
+            held = sharded.shards[buddy.holds]
             whole[held.start:held.stop] = copy[name]
         group.Allreduce(whole.view(xp.uint8), slot=("rebuild", name), op="bor")
         full[name] = whole

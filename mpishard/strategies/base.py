@@ -14,12 +14,14 @@ __all__ = ["Strategy"]
 
 
 class Strategy:
-    """Base of the public strategies: a parallel core (:attr:`core`, from
-    :mod:`mpishard.parallel`) and the one training loop as :meth:`optimize`.
+    """Base of the public strategies: a parallel core (``core``, from
+    [`mpishard.parallel`][mpishard.parallel]) and the one training loop as ``optimize``.
 
     The core's methods and attributes are the strategy's (``backward``,
     ``step``, ``memory_report``, ``step_count``, ...): this class names the
-    documented ones, and any other attribute is read from the core.
+    documented ones, and any other attribute is read from the core; a write to
+    a name of the core goes to the core (``ddp.skipped_steps = 0``,
+    ``ddp.schedule = f``: the option, checked), so nothing is hidden here.
     """
 
     def __init__(self, core: StrategyCore) -> None:
@@ -37,20 +39,20 @@ class Strategy:
         Collective over ``config.world``.
 
         ``data``: an ``(inputs, targets)`` pair of arrays (NumPy, CuPy, h5py
-        datasets), a :class:`~mpishard.protocols.Dataset`, a
-        :class:`~mpishard.protocols.CollectiveDataset` such as
-        :class:`~mpishard.data.LocalDataset`, or a
-        :class:`~mpishard.data.BatchStream`. ``callback(step, loss)`` runs after
+        datasets), a [`Dataset`][mpishard.protocols.Dataset], a
+        [`CollectiveDataset`][mpishard.protocols.CollectiveDataset] such as
+        [`LocalDataset`][mpishard.data.LocalDataset], or a
+        [`BatchStream`][mpishard.data.BatchStream]. ``callback(step, loss)`` runs after
         every step; True stops there. ``options``: ``progress``,
         ``print_every``, ``metrics_path``, ``checkpoints`` with
         ``checkpoint_every``, ``max_steps``, ``stop``, ``validation``, ... (the
-        fields of :class:`~mpishard.train.Sampling`,
-        :class:`~mpishard.train.Reporting` and
-        :class:`~mpishard.train.Checkpointing`). The rules (epochs are a total,
+        fields of [`Sampling`][mpishard.train.Sampling],
+        [`Reporting`][mpishard.train.Reporting] and
+        [`Checkpointing`][mpishard.train.Checkpointing]). The rules (epochs are a total,
         the data position wins, ...) are on the docs site's training-loop page.
 
         Returns:
-            a :class:`~mpishard.train.TrainResult`.
+            a [`TrainResult`][mpishard.train.TrainResult].
 
         Raises:
             ValueError: on every rank, for data, a batch size or epochs that
@@ -60,9 +62,9 @@ class Strategy:
                             shuffle=shuffle, seed=seed, drop_last=drop_last, **options)
 
     def new_pass(self) -> None:
-        """Forget the data position: the next :meth:`optimize` starts at epoch 0.
+        """Forget the data position: the next ``optimize`` starts at epoch 0.
         Local (every rank calls it)."""
-        self.core.data_position = None
+        self.core.set_progress(data_position=None)
 
     # --- the core's interface -----------------------------------------------------
     def attach(self, model: Model) -> None:
@@ -130,7 +132,7 @@ class Strategy:
 
     @step_count.setter
     def step_count(self, value: int) -> None:
-        self.core.step_count = value
+        self.core.set_progress(step_count=value)
 
     @property
     def data_position(self) -> dict[str, int] | None:
@@ -139,10 +141,20 @@ class Strategy:
 
     @data_position.setter
     def data_position(self, value: dict[str, int] | None) -> None:
-        self.core.data_position = value
+        self.core.set_progress(data_position=value)
 
     def __getattr__(self, name: str) -> Any:
         # config, dp, model, optimizer, options, state, timings, skipped_steps, ...
         if name == "core":   # not set yet (during construction)
             raise AttributeError(name)
         return getattr(self.core, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A name of the core (skipped_steps, an option such as schedule) is written
+        # there, where it is read: not onto this facade, which would hide it.
+        core = self.__dict__.get("core")
+        if (core is None or name in self.__dict__ or hasattr(type(self), name)
+                or not hasattr(core, name)):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(core, name, value)

@@ -77,7 +77,7 @@ class Feeder:
             self.x, self.y = self.dataset.buffers(self.local, core.xp, core.dtype)
             self.state = self.sampler.state
             self.position = self.sampler.position()
-        core.data_position = self.position
+        core.set_progress(data_position=self.position)
 
     @property
     def epoch(self) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 from ..checkpoint import CheckpointManager
 from ..errors import DataPositionWarning, HandOver
 from ..protocols import Model, StrategyCore
-from ..recovery import Recovery, leave
+from ..recovery import Recovered, RecoveryPolicy, hand_over
 from .feeding import Batch, Feeder
 from .options import Checkpointing, Reporting, Sampling, option_groups
 from .reporting import Reporter
@@ -63,7 +63,7 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
     report = Reporter(reporting, core.config.world.rank == 0, result, epochs,
                       _total_steps(feeder, epochs, max_steps), continuing)
     saver = _Saver(checkpointing.manager, core, model, report, result)
-    recovery = Recovery(core, checkpointing.manager, saver.save, reporting.label,
+    recovery = RecoveryPolicy(core, checkpointing.manager, saver.save, reporting.label,
                         checkpointing.min_workers)
     steps = _Steps(core, model, feeder, report, saver, recovery, result, callback, stop,
                    max_steps, checkpointing.every)
@@ -89,7 +89,7 @@ def _warn_nothing_to_train(feeder: Feeder, epochs: int | None) -> None:
                   stacklevel=4)
 
 
-def _run_recovering(steps: _Steps, saver: _Saver, recovery: Recovery, feeder: Feeder,
+def _run_recovering(steps: _Steps, saver: _Saver, recovery: RecoveryPolicy, feeder: Feeder,
                     report: Reporter, result: TrainResult) -> None:
     """The steps, and again after each recovery from a lost rank (or the hand-over:
     this rank leaves), then the final save."""
@@ -107,7 +107,7 @@ def _run_recovering(steps: _Steps, saver: _Saver, recovery: Recovery, feeder: Fe
             event = recovery.recover(failure)
         except HandOver as over:
             report.hand_over(over, steps.core.step_count)
-            leave(over)
+            hand_over(over)
         feeder.open(may_change=True)   # the rows re-split over the survivors
         steps.went_on(event)
 
@@ -155,7 +155,7 @@ class _Steps:
     report, then callback, checkpoint and stop, in that order."""
 
     def __init__(self, core: StrategyCore, model: Model, feeder: Feeder, report: Reporter,
-                 saver: _Saver, recovery: Recovery, result: TrainResult,
+                 saver: _Saver, recovery: RecoveryPolicy, result: TrainResult,
                  callback: Callable[[int, float], Any] | None, stop: StopRequest | None,
                  max_steps: int | None, every: int) -> None:
         self.core, self.model, self.feeder, self.report = core, model, feeder, report
@@ -208,7 +208,7 @@ class _Steps:
         if epoch_ended:
             self.report.epoch_end(feeder.epoch, step, self.model)
 
-    def went_on(self, event: dict[str, Any]) -> None:
+    def went_on(self, event: Recovered) -> None:
         """After a recovery: every survivor reports the steps up to the agreed one."""
         core, result = self.core, self.result
         world, step = core.config.world, core.step_count
@@ -216,7 +216,7 @@ class _Steps:
         undone = result.last_step != step   # this rank's figures include other steps
         result.losses[:] = max(world.allgather(result.losses[:kept]), key=len)
         result.steps, result.last_step = step - result.first_step, step
-        result.recoveries.append(event)
+        result.recoveries.append(event.record())
         self.saver.saved_at = min(self.saver.saved_at, step)
         self.report.recovered(event, world.rank == 0, world.size, undone)
         if self.every and step % self.every == 0:

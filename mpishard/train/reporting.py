@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import HandOver
 from ..protocols import Model
+from ..recovery import Recovered
 from .evaluate import evaluate
 from .options import Reporting
 from .progress import Metrics, clock, progress_bar
@@ -100,19 +101,20 @@ class Reporter:
     def checkpoint(self, step: int, path: str, reason: str) -> None:
         self.metrics.record("checkpoint", step=step, path=path, reason=reason)
 
-    def recovered(self, event: dict[str, Any], rank0: bool, world_size: int,
+    def recovered(self, event: Recovered, rank0: bool, world_size: int,
                   undone: bool) -> None:
         """The run went on without a lost rank: the record and a line; rank 0 may
         be a new rank now. ``undone``: this rank's means include steps done again."""
         if rank0 and not self.rank0 and self.options.metrics_path:   # rank 0 was lost
             self.metrics = Metrics(self.options.metrics_path, append=True)
         self.rank0 = rank0
-        lost = ", ".join(map(str, event["lost_ranks"]))
-        self.lost_note += f"  (lost rank(s) {lost} at step {event['step']})"
-        self.metrics.record("recovered", **{k: v for k, v in event.items() if k != "event"})
+        lost = ", ".join(map(str, event.lost_ranks))
+        self.lost_note += f"  (lost rank(s) {lost} at step {event.step})"
+        self.metrics.record("recovered", **{k: v for k, v in event.record().items()
+                                            if k != "event"})
         if rank0 and (self.options.print_every or self.bar is not None):
-            self.say(f"{self.options.label} recovered at step {event['step']}: lost world "
-                     f"rank(s) {lost}, going on with {world_size} ({event['seconds']:.2f} s)")
+            self.say(f"{self.options.label} recovered at step {event.step}: lost world "
+                     f"rank(s) {lost}, going on with {world_size} ({event.seconds:.2f} s)")
         if undone:   # the epoch's and window's means start again from here
             self._window = self._epoch = (time.perf_counter(), 0.0, 0, 0)
 

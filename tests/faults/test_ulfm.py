@@ -129,7 +129,7 @@ while s < STEPS:
         # Revoke, shrink, agree on the last completed step, rebuild DDP over the survivors.
         ddp, event = recover_in_place(ddp, exc)
         s = ddp.step_count
-        recoveries.append(event)
+        recoveries.append(event.record())   # the typed Recovered, as the metrics record
 if rank == 0:
     print("RESULT " + json.dumps({{
         "recoveries": recoveries,

@@ -221,20 +221,20 @@ def test_data_groups_agree_on_the_reduce_method(monkeypatch):
         pytest.skip(f"a tensor-parallel size of 2 does not divide a world of {WORLD}")
     from layouts import hybrid, mlp_data
 
-    import mpishard.parallel.zero2 as zero2
+    import mpishard.parallel.reduction as reduction
 
     tp = ShardingConfiguration(MPI.COMM_WORLD, tensor_parallel_size=2).groups.coordinates.tp
-    real = zero2.time_alternatives
+    real = reduction.time_alternatives
 
     def skewed(group, ways, repeats):
         times = real(group, ways, repeats)
         favoured = "allreduce" if tp == 0 else "reduce_scatter"
         return {way: (1.0 if way == favoured else 2.0) for way in times}
 
-    monkeypatch.setattr(zero2, "time_alternatives", skewed)
+    monkeypatch.setattr(reduction, "time_alternatives", skewed)
     model, opt = hybrid(MPI.COMM_WORLD, 2, 1, "zero2")
     opt.optimize(model, mlp_data(), epochs=2, batch_size=16)
-    every = MPI.COMM_WORLD.allgather(opt.core.reduce_method)
+    every = MPI.COMM_WORLD.allgather(opt.core.reduction.method)   # the one 'auto' chose
     assert len(set(every)) == 1, every
     assert_replicated_tensors_equal(model)
 
@@ -255,7 +255,7 @@ def test_data_groups_agree_on_flat_or_two_levels(monkeypatch, data_parallel, fav
     from layouts import hybrid, mlp_data
 
     import mpishard.comm.hierarchical as hier
-    import mpishard.parallel.base as base
+    import mpishard.parallel.reduction as reduction
 
     tp = ShardingConfiguration(MPI.COMM_WORLD, tensor_parallel_size=2).groups.coordinates.tp
 
@@ -276,7 +276,7 @@ def test_data_groups_agree_on_flat_or_two_levels(monkeypatch, data_parallel, fav
 
     monkeypatch.setattr(hier, "HierarchicalComm", TwoLevels)
     monkeypatch.setattr(hier, "time_alternatives", skewed)
-    monkeypatch.setattr(base, "choose_reduction", choose)
+    monkeypatch.setattr(reduction, "choose_reduction", choose)
     options = {"reduce_method": "reduce_scatter"} if data_parallel == "zero2" else {}
     model, opt = hybrid(MPI.COMM_WORLD, 2, 1, data_parallel, **options)
     opt.optimize(model, mlp_data(), epochs=2, batch_size=16)
