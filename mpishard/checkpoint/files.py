@@ -79,7 +79,7 @@ class CheckpointManager:
     rank 0 creates the folder, scans it and prunes it.
 
     ``async_=True``: `save` returns after the snapshot and the file is written in
-    the background ([`mpishard.checkpoint.background`][mpishard.checkpoint.background]);
+    the background (`mpishard.checkpoint.background`);
     it appears, and older ones are pruned, only at the commit: the next `save`,
     `poll` once every rank's write is done (the training loop calls it after
     each step), `wait`, or the end of ``optimize()``.

@@ -321,7 +321,7 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     at the commit: the next save or load,
     [`wait_for_checkpoint`][mpishard.checkpoint.wait_for_checkpoint], or a step
     boundary of the training loop
-    ([`mpishard.checkpoint.background`][mpishard.checkpoint.background]). A
+    (`mpishard.checkpoint.background`). A
     failed background write is raised there, on every rank. ``driver`` does not
     apply (rank 0 creates the file, every rank writes its bytes into it).
 
@@ -338,10 +338,16 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     with place.world.during(f"save_checkpoint({os.fspath(path)})"), place.file_io():
         settle()   # a save in flight is committed (or its failure raised) first
         if asynchronous:
-            copy = snapshot().take
-            tensors, pieces, attrs = _contents(path, model, strategy, place, copy)
+            snap = snapshot()
+            try:
+                tensors, pieces, attrs = _contents(path, model, strategy, place, snap.take)
+            except BaseException:
+                snap.finish()
+                raise
+            snap.start()   # the copies go on while the file is agreed on and created
             return start_background_write(path, place.world, tensors, pieces, attrs,
-                                          durable=durable, order_groups=(PARAMS,))
+                                          durable=durable, order_groups=(PARAMS,),
+                                          ready=snap.finish)
         tensors, pieces, attrs = _contents(path, model, strategy, place, _local)
         return write_checkpoint_file(path, place.world, tensors, pieces, attrs, driver=driver,
                                      durable=durable, order_groups=(PARAMS,))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..checkpoint import CheckpointManager
+from ..checkpoint.background import discard_checkpoint
 from ..errors import DataPositionWarning, HandOver
 from ..protocols import Model, StrategyCore
 from ..recovery import Recovered, RecoveryPolicy, hand_over
@@ -103,6 +104,7 @@ def _run_recovering(steps: _Steps, saver: _Saver, recovery: RecoveryPolicy, feed
             if not recovery.handles(exc):
                 raise
             failure = exc
+            discard_checkpoint()   # a save in flight over the old job: never committed
         try:
             event = recovery.recover(failure)
         except HandOver as over:

@@ -204,3 +204,15 @@ def test_manager_prunes_only_after_the_newer_file_is_durable(mpi_tmp_path):
     assert manager.wait() == second
     assert os.path.exists(second) and not os.path.exists(first)
     assert [p for _, p in manager.checkpoints()] == [second]
+
+
+def test_discarded_save_leaves_no_file(mpi_tmp_path):
+    model, strategy = make("ddp")
+    strategy.optimize(model, make_data(), epochs=1, batch_size=BATCH)
+    path = save_checkpoint(mpi_tmp_path / "dropped.h5", model, strategy, asynchronous=True)
+    assert background.discard_checkpoint() == path   # local: what a recovery does
+    assert background.pending_checkpoint() is None and wait_for_checkpoint() is None
+    WORLD.Barrier()
+    assert not os.listdir(mpi_tmp_path)
+    path = save_checkpoint(mpi_tmp_path / "next.h5", model, strategy, asynchronous=True)
+    assert wait_for_checkpoint() == path and os.path.exists(path)

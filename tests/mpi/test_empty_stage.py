@@ -242,7 +242,8 @@ CONVERSIONS = {
         ((2, ONE[:2] + (2, None), "zero3"), (4, LAYOUTS[4][0], "zero3"))],
     6: [((6, LAYOUTS[6][0], "zero2"), (1, ONE, "ddp")),
         ((1, ONE, "ddp"), (6, LAYOUTS[6][0], "zero2")),
-        ((6, LAYOUTS[6][0], "zero3"), (4, (1, 4, 1, STAGES4), "zero3"))],
+        # (at 6 ranks the model has 3 layers: a 4-stage reader could not cut it)
+        ((6, LAYOUTS[6][0], "zero3"), (3, (1, 3, 1, STAGES3), "zero3"))],
     8: [((8, LAYOUTS[8][0], "zero2"), (1, ONE, "ddp")),
         ((1, ONE, "zero2"), (8, LAYOUTS[8][1], "zero2")),
         ((8, LAYOUTS[8][1], "ddp"), (6, (1, 3, 2, STAGES3), "zero2")),

@@ -138,6 +138,10 @@ def test_model_parallel_replicas_train_like_one_process(tp, pp):
 
     if WORLD.size % 2:
         pytest.skip("a model-parallel size of 2 needs an even world")
+    dp_size = WORLD.size // (tp * pp)
+    if 16 % (dp_size * pp):
+        pytest.skip(f"16 rows do not split into {dp_size} data-parallel ranks x {pp} "
+                    f"micro-batch(es)")
     x, y = mlp_data()
     config = ShardingConfiguration(WORLD, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     lo, hi = blocks(len(x), config.groups.dp.size)[config.groups.dp.rank]
