@@ -4,7 +4,7 @@ From the latency and bandwidth inside a node and across nodes, the compute rate
 and memory of a rank, and the model's size, it predicts for a layout (tp, pp, dp,
 DDP, ZeRO-2 or ZeRO-3, flat or hierarchical gradient reduction): the step time, its
 communication time, the memory per rank and the pipeline bubble. One process,
-no MPI. ``mpishard plan`` (:mod:`mpishard.commands.plan`) prints it.
+no MPI. ``mpishard plan`` (`mpishard.commands.plan`) prints it.
 
 The model (alpha-beta, per node link):
 

@@ -1,16 +1,16 @@
 """The plug-in points: what a model and an optimizer must provide.
 
 A **model** owns one flat parameter vector and one flat gradient vector of the
-same length and dtype (NumPy or CuPy), a :class:`~mpishard.flat.ParamLayout`
+same length and dtype (NumPy or CuPy), a [`ParamLayout`][mpishard.flat.ParamLayout]
 naming the tensors in them, and two methods. Any user class with these members
 works with every strategy.
 
-The library's own models (:mod:`mpishard.nn`) also implement
-:class:`BucketedModel`: they let a strategy redirect where gradients are written
-and tell it when each layer's gradients are complete, which is how DDP overlaps
+The library's own models ([`mpishard.nn`][mpishard.nn]) also implement
+[`BucketedModel`][mpishard.protocols.BucketedModel]: they let a strategy redirect where gradients
+are written and tell it when each layer's gradients are complete, which is how DDP overlaps
 its Allreduces with the backward pass and how ZeRO-2 avoids ever holding the full
-reduced gradient. They also implement :class:`ShardableModel`: a strategy may
-place their parameters elsewhere and is told before and after each layer reads
+reduced gradient. They also implement [`ShardableModel`][mpishard.protocols.ShardableModel]: a
+strategy may place their parameters elsewhere and is told before and after each layer reads
 them, which is how ZeRO-3 gathers one bucket of parameters at a time.
 
 An **optimizer** updates any contiguous range of the flat vectors: it is given
@@ -46,7 +46,7 @@ __all__ = [
     "UnitPassModel",
 ]
 
-#: The passes a :class:`ParameterHooks` object is told about: a training forward
+#: The passes a `ParameterHooks` object is told about: a training forward
 #: (its backward follows), the backward, and a forward for prediction only.
 FORWARD, BACKWARD, INFERENCE = "forward", "backward", "inference"
 PHASES = (FORWARD, BACKWARD, INFERENCE)
@@ -79,8 +79,8 @@ class Model(Protocol):
 
 
 class BackwardHooks(Protocol):
-    """Callbacks a strategy gives a :class:`BucketedModel`
-    (:class:`~mpishard.comm.buckets.GradientBuckets` is the library's).
+    """Callbacks a strategy gives a [`BucketedModel`][mpishard.protocols.BucketedModel]
+    (`GradientBuckets` is the library's).
 
     ``before(r)`` is called before a layer writes gradients to world range ``r``
     (the union of its tensors' ranges), so a strategy can make sure the buffer
@@ -129,14 +129,14 @@ class BucketedModel(Model, Protocol):
 
 
 class ParameterHooks(Protocol):
-    """Callbacks a strategy gives a :class:`ShardableModel`
-    (:class:`~mpishard.comm.gather.ParameterGather` is the library's, for ZeRO-3).
+    """Callbacks a strategy gives a [`ShardableModel`][mpishard.protocols.ShardableModel]
+    ([`ParameterGather`][mpishard.comm.gather.ParameterGather] is the library's, for ZeRO-3).
 
-    The symmetric twin of :class:`BackwardHooks`, for parameter *reads*:
-    ``before(r, phase)`` is called before a layer first reads its parameters in a
+    The symmetric twin of [`BackwardHooks`][mpishard.protocols.BackwardHooks], for parameter
+    *reads*: ``before(r, phase)`` is called before a layer first reads its parameters in a
     pass, ``after(r, phase)`` after it last read them, with ``r`` the world range
     of the layer's tensors (a unit of the layout,
-    :func:`~mpishard.flat.unit_ranges`) and ``phase`` one of :data:`PHASES`.
+    [`unit_ranges`][mpishard.flat.unit_ranges]) and ``phase`` one of `PHASES`.
     Layers are visited first to last in ``"forward"`` and ``"inference"``, last
     to first in ``"backward"`` (where ``before`` comes before the gradient hooks'
     ``before`` and ``after`` after the layer's input gradient). Every parameter
@@ -160,10 +160,10 @@ class ShardableModel(Protocol):
       few bucket-sized buffers and fills them just before use). Binding does
       not copy values.
     * ``set_parameter_hooks(hooks)``: call ``hooks.before``/``hooks.after``
-      (:class:`ParameterHooks`) around each layer's parameter reads; ``None``
-      removes them.
+      ([`ParameterHooks`][mpishard.protocols.ParameterHooks]) around each layer's parameter reads;
+      ``None`` removes them.
 
-    A model without it (a :class:`~mpishard.nn.FunctionModel`, a user's model)
+    A model without it (a [`FunctionModel`][mpishard.nn.FunctionModel], a user's model)
     keeps its whole parameter vector under every strategy.
     """
 
@@ -175,7 +175,7 @@ class ShardableModel(Protocol):
 @runtime_checkable
 class UnitPassModel(Protocol):
     """A model that runs several units of reproducible mode in one pass, each
-    unit's gradient alone (:class:`~mpishard.parallel.HybridShardedModel`: the
+    unit's gradient alone ([`HybridShardedModel`][mpishard.parallel.HybridShardedModel]: the
     units are the micro-batches of one pass of its pipeline schedule).
 
     * ``micro_batches``: the most units a pass runs.
@@ -202,9 +202,9 @@ class DescribedModel(Protocol):
     """A model that describes itself for model files and checkpoints.
 
     ``architecture()``: a JSON-ready record from which
-    :func:`mpishard.models.build_architecture` rebuilds the model in one process
-    (``{"version", "class", "args"}``), or None when it cannot be rebuilt from
-    data (a :class:`~mpishard.nn.FunctionModel` holds code). ``training_metadata()``:
+    [`mpishard.models.build_architecture`][mpishard.models.build_architecture] rebuilds the model in
+    one process (``{"version", "class", "args"}``), or None when it cannot be rebuilt from
+    data (a [`FunctionModel`][mpishard.nn.FunctionModel] holds code). ``training_metadata()``:
     ``{"steps", "losses"}`` of its single-process training, or None. A checkpoint
     stores both; a model without them is saved without.
     """
@@ -246,9 +246,9 @@ class Dataset(Protocol):
     ``gather(indices, x_out, y_out)`` copies the samples ``indices`` (a 1-D NumPy
     integer array) into the first ``len(indices)`` rows of the buffers; it is not
     collective (each rank reads its own rows). The training loop makes the buffers
-    once and gathers into them every step. :class:`~mpishard.data.ArrayDataset`
-    (in-memory arrays), :class:`~mpishard.data.StreamingDataset` (one that
-    grows) and :class:`~mpishard.data.HDF5Dataset` (an HDF5 file, or an
+    once and gathers into them every step. [`ArrayDataset`][mpishard.data.ArrayDataset]
+    (in-memory arrays), [`StreamingDataset`][mpishard.data.StreamingDataset] (one that
+    grows) and [`HDF5Dataset`][mpishard.data.HDF5Dataset] (an HDF5 file, or an
     h5py dataset pair) meet it; an ``(x, y)`` pair of arrays is wrapped in an
     ``ArrayDataset``.
     """
@@ -265,13 +265,13 @@ class CollectiveDataset(Protocol):
     """Samples spread over the ranks, fetched for each global batch collectively.
 
     ``len(data)`` is the number of samples of the whole set (the same on every
-    rank); ``buffers`` is :class:`Dataset`'s. ``gather_batch(batch, x_out, y_out)``
-    is given the indices of the whole global batch (the same on every rank of
+    rank); ``buffers`` is [`Dataset`][mpishard.protocols.Dataset]'s. ``gather_batch(batch, x_out,
+    y_out)`` is given the indices of the whole global batch (the same on every rank of
     ``comm``) and fills the first ``n`` rows of the buffers with this rank's part
     of it, rows ``rank_rows(len(batch), comm.size, comm.rank)``
-    (:func:`~mpishard.data.rank_rows`); it is collective over ``comm``, which must
+    ([`rank_rows`][mpishard.data.rank_rows]); it is collective over ``comm``, which must
     be the data-parallel group of the strategy that trains on it.
-    :class:`~mpishard.data.LocalDataset` (rows each rank holds) meets it.
+    [`LocalDataset`][mpishard.data.LocalDataset] (rows each rank holds) meets it.
     """
 
     comm: Any
@@ -285,12 +285,12 @@ class CollectiveDataset(Protocol):
 
 @runtime_checkable
 class StrategyCore(Protocol):
-    """A parallel strategy core (:mod:`mpishard.parallel`): what the training loop,
+    """A parallel strategy core ([`mpishard.parallel`][mpishard.parallel]): what the training loop,
     checkpoints and recovery use of it.
 
-    ``config`` is its :class:`~mpishard.ShardingConfiguration` and ``dp`` the
-    data-parallel group's communicator; ``model`` the attached model (None
-    before :meth:`attach`); ``step_count``, ``skipped_steps`` and
+    ``config`` is its [`ShardingConfiguration`][mpishard.config.ShardingConfiguration] and ``dp``
+    the data-parallel group's communicator; ``model`` the attached model (None
+    before `attach`); ``step_count``, ``skipped_steps`` and
     ``data_position`` are saved and restored with checkpoints;
     ``optimizer_state_shard()`` gives the world range of the optimizer state
     this rank holds and the state by name, ``parameter_shard()`` the world range
@@ -359,6 +359,6 @@ class RecoverableCore(StrategyCore, Protocol):
 
 @runtime_checkable
 class HasCore(Protocol):
-    """A public strategy (:mod:`mpishard.strategies`): it trains through ``core``."""
+    """A public strategy (`mpishard.strategies`): it trains through ``core``."""
 
     core: StrategyCore

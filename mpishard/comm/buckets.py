@@ -7,14 +7,14 @@ a reduction does. A strategy says only how one bucket is reduced, as a function
 ZeRO-2: reduce to the shards and keep this rank's piece).
 
 Buckets are world ranges of the flat vector, the one with the highest offsets
-first (:func:`~mpishard.flat.bucket_ranges`): gradients become ready in
+first ([`bucket_ranges`][mpishard.flat.bucket_ranges]): gradients become ready in
 backward order, last layer first. A model that reports its backward progress
-(:class:`~mpishard.protocols.BucketedModel`) calls :meth:`GradientBuckets.before`
-and :meth:`GradientBuckets.after` around each layer's gradient writes; a bucket
+([`BucketedModel`][mpishard.protocols.BucketedModel]) calls `GradientBuckets.before`
+and `GradientBuckets.after` around each layer's gradient writes; a bucket
 is launched (non-blocking) as soon as the backward has passed its lowest offset,
 so the reduction overlaps the rest of the backward. Such a backward launches
 every bucket (its last ``after`` is at offset 0); for any other model
-:meth:`GradientBuckets.flush` reduces them after the backward with blocking
+`GradientBuckets.flush` reduces them after the backward with blocking
 calls. Every rank must launch each bucket the same way, blocking or not: MPI
 never matches a blocking collective with a non-blocking one.
 
@@ -22,7 +22,7 @@ With ``slots=k`` the buckets take turns on ``k`` buffers, bucket ``j`` on slot
 ``j % k``: gradient storage (ZeRO-2 lets the backward write into two
 bucket-sized buffers instead of a full gradient) and a strategy's per-slot
 scratch. A slot is free again only when the reduction of the bucket ``k``
-earlier has completed; :meth:`GradientBuckets.before` and every launch wait for
+earlier has completed; `GradientBuckets.before` and every launch wait for
 that.
 """
 
@@ -47,22 +47,22 @@ Reduce = Callable[[int, Any, bool], "Handle | None"]
 class GradientBuckets:
     """The buckets of one flat gradient and the reductions running on them.
 
-    It is the :class:`~mpishard.protocols.BackwardHooks` object a strategy gives
+    It is the [`BackwardHooks`][mpishard.protocols.BackwardHooks] object a strategy gives
     a bucketed model. Not collective itself: every rank must go through the same
     calls (the reductions are collective over the strategy's group).
 
     Args:
         ranges: bucket world ranges, highest offsets first; none for a layout
             with no parameters (every call then reduces nothing).
-        reduce: how the strategy reduces one bucket (see :data:`Reduce`).
+        reduce: how the strategy reduces one bucket (see `Reduce`).
         slots: number of buffers the buckets rotate through (0: none; each
-            bucket's source is a slice of :attr:`vector`).
+            bucket's source is a slice of `vector`).
 
     Attributes:
         ranges: the bucket ranges, in backward order.
         vector: the flat gradient the ranges index, when there are no slot
             buffers (DDP's gradient; a model's own gradient under ZeRO-2).
-        buffers: the slot buffers (after :meth:`allocate`), else empty.
+        buffers: the slot buffers (after `allocate`), else empty.
         seconds: time spent waiting for a slot and in blocking reductions,
             summed until the caller resets it.
     """
@@ -95,7 +95,7 @@ class GradientBuckets:
 
     def gradient_views(self, layout: ParamLayout) -> Callable[[str], Any]:
         """``view(name)``: where tensor ``name``'s gradient lives in the slot
-        buffers (for :meth:`~mpishard.protocols.BucketedModel.bind_gradients`)."""
+        buffers (for `bind_gradients`)."""
         views = {}
         for j, r in enumerate(self.ranges):
             buf = self.buffers[j % self.slots]
@@ -123,7 +123,7 @@ class GradientBuckets:
 
     @property
     def launched_all(self) -> bool:
-        """Every bucket was launched since the last :meth:`begin`."""
+        """Every bucket was launched since the last `begin`."""
         return self._next >= len(self.ranges)
 
     # --- one backward -------------------------------------------------------
@@ -157,7 +157,7 @@ class GradientBuckets:
             handle.test()
 
     def flush(self, zero: bool = False, blocking: bool = True) -> None:
-        """Reduce every bucket not launched since :meth:`begin`.
+        """Reduce every bucket not launched since `begin`.
 
         Blocking by default: nothing is left to overlap with, and Open MPI 4.1's
         non-blocking collectives (libnbc) measured ~2x slower than the blocking

@@ -2,7 +2,7 @@
 
 A flat ring allreduce of ``n`` elements over ``P = N * L`` ranks (``N`` nodes of
 ``L``) sends ``2 (P-1)/P n`` elements per rank, all at the speed of the slowest
-link, the network. :class:`HierarchicalComm` does
+link, the network. [`HierarchicalComm`][mpishard.comm.hierarchical.HierarchicalComm] does
 
 1. a reduce-scatter inside the node: local rank ``j`` holds piece ``j`` (``n/L``
    elements) summed over its node (shared memory);
@@ -16,11 +16,11 @@ reduce-scatter across nodes in place of (2)-(3): the rank on node ``k`` with
 local rank ``j`` ends with its own segment, whatever its group rank (ranks placed
 by slot or round robin alike).
 
-It has the call signatures of the :class:`~mpishard.comm.FlatComm` buffer calls
+It has the call signatures of the [`FlatComm`][mpishard.comm.FlatComm] buffer calls
 that the strategies use for gradients (``Allreduce``, ``Iallreduce``,
 ``Reduce_scatter``, ``Ireduce_scatter``), so a strategy holds either as its
-reduction communicator; :func:`choose` measures them at attach (and a ring of
-point-to-point messages, :class:`~mpishard.comm.ring.RingComm`) and keeps the
+reduction communicator; [`choose`][mpishard.comm.hierarchical.choose] measures them at attach (and a
+ring of point-to-point messages, [`RingComm`][mpishard.comm.ring.RingComm]) and keeps the
 fastest.
 Sums give the flat result to rounding (another order of addition), not bit for bit.
 """
@@ -43,18 +43,19 @@ from .timing import agree_on_faster, reduce_once, time_alternatives
 
 __all__ = ["REDUCTIONS", "HierarchicalComm", "choose"]
 
-#: What :func:`choose` picks between.
+#: What `choose` picks between.
 REDUCTIONS = ("flat", "hierarchical", "ring")
 
 
 class HierarchicalComm:
-    """Two-level sums over ``group`` (a :class:`FlatComm` whose ranks span nodes).
+    """Two-level sums over ``group`` (a [`FlatComm`][mpishard.comm.FlatComm] whose ranks span
+    nodes).
 
     Builds three communicators (collective over ``group``): the node's ranks of
     the group twice (the reduce-scatters and the allgathers each get their own,
     so that a bucket's allgather never meets another bucket's reduce-scatter out
     of order) and the ranks with the same local rank on every node. The levels
-    need the same number of the group's ranks on every node (:attr:`usable`);
+    need the same number of the group's ranks on every node (`usable`);
     otherwise, and for a group on one node or with one rank per node (where the
     levels are the flat call), every call is the group's own.
 
@@ -135,7 +136,8 @@ class HierarchicalComm:
     def Ireduce_scatter(self, sendbuf: Any, recvbuf: Any, counts: list[int],
                         slot: Any = "reduce_scatter",
                         finish: Callable[[], None] | None = None) -> Any:
-        """Start :meth:`Reduce_scatter`. Collective over the group."""
+        """Start [`Reduce_scatter`][mpishard.comm.hierarchical.HierarchicalComm.Reduce_scatter].
+        Collective over the group."""
         if not self.two_levels:
             return self.group.Ireduce_scatter(sendbuf, recvbuf, counts, slot, finish)
         packed, column, columns, mine = self._reduce_scatter_parts(sendbuf, counts, slot)
@@ -262,7 +264,7 @@ class _Staged:
 
     def wait(self, *, timed: bool = True) -> None:
         """Complete this call (and those started before it). ``timed`` is accepted
-        for :class:`~mpishard.comm.Handle`'s signature; the stages are timed."""
+        for [`Handle`][mpishard.comm.Handle]'s signature; the stages are timed."""
         if not self.done:
             self.owner._progress(until=self)
 
@@ -297,8 +299,9 @@ def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "all
            margin: float = 0.1, ring: bool = True,
            agree: FlatComm | None = None) -> Reducer:
     """The fastest [`Reducer`][mpishard.comm.reducer.Reducer] for buckets of
-    ``elements``: ``group`` itself, a :class:`HierarchicalComm` over it or a
-    :class:`~mpishard.comm.ring.RingComm` over it, measured, not assumed.
+    ``elements``: ``group`` itself, a
+    [`HierarchicalComm`][mpishard.comm.hierarchical.HierarchicalComm] over it or a
+    [`RingComm`][mpishard.comm.ring.RingComm] over it, measured, not assumed.
 
     ``kind``: ``"allreduce"`` (DDP) or ``"reduce_scatter"`` (ZeRO-2). Each way's
     time is the slowest rank's best of ``repeats`` rounds (after one warm-up)
@@ -309,15 +312,15 @@ def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "all
     backward), otherwise the non-blocking ones (during it). The two levels are
     tried only where they exist (not on one node, with one rank per node or
     uneven nodes; with ``nodes``, the world's
-    :class:`~mpishard.comm.nodes.NodeMap`, the same on every rank, a job on one
+    [`NodeMap`][mpishard.comm.NodeMap], the same on every rank, a job on one
     node does not even build their communicators); the ring only on host
-    (NumPy) buffers of at least :data:`~mpishard.comm.ring.RING_MIN_ELEMENTS`,
+    (NumPy) buffers of at least `RING_MIN_ELEMENTS`,
     and not with ``ring=False`` (ZeRO-2, whose ``reduce_method`` chooses it).
     ``record`` receives ``{"choice", "flat", "hierarchical", "ring", "levels"}``
     (seconds, None for a way not tried). ``agree`` (the training group of a 3D
     layout, whose data groups hold copies of the replicated tensors) makes the
     choice alike over it, from every group's times
-    (:func:`~mpishard.comm.timing.agree_on_faster`); then every rank of ``agree``
+    (`agree_on_faster`); then every rank of ``agree``
     calls this, ``elements`` 0 where a stage has nothing to reduce. Collective
     over ``group`` (and ``agree``).
     """
@@ -353,8 +356,8 @@ def choose(group: FlatComm, elements: int, dtype: Any, xp: Any, kind: str = "all
 
 def _candidates(group: FlatComm, elements: int, xp: Any, nodes: NodeMap | None, ring: bool,
                 info: dict[str, Any]) -> dict[str, Any]:
-    """:func:`choose`'s ways for ``group``: itself, its two levels where they exist,
-    its ring where asked for host buckets large enough; ``info["levels"]`` says
+    """[`choose`][mpishard.comm.hierarchical.choose]'s ways for ``group``: itself, its two levels
+    where they exist, its ring where asked for host buckets large enough; ``info["levels"]`` says
     why the two levels are or are not there. Collective over ``group``."""
     ways: dict[str, Any] = {"flat": group}
     if elements <= 0:

@@ -25,12 +25,12 @@ passes the finished pieces round (an allreduce).
 Piece ``j`` is summed in the order ``x[j+1] + x[j+2] + ... + x[j]`` (ranks
 modulo ``N``): fixed, so every run gives the same bits, but not MPI's order.
 On 2 ranks each element is one addition of two numbers, the same bits as any
-sum of two. :class:`RingComm` has the call signatures of the
-:class:`~mpishard.comm.FlatComm` gradient calls (``Allreduce``, ``Iallreduce``,
+sum of two. [`RingComm`][mpishard.comm.ring.RingComm] has the call signatures of the
+[`FlatComm`][mpishard.comm.FlatComm] gradient calls (``Allreduce``, ``Iallreduce``,
 ``Reduce_scatter``, ``Ireduce_scatter``; sums only), so a strategy holds it as
-its reduction communicator where :func:`mpishard.comm.hierarchical.choose`
-measured it faster. Host (NumPy) buffers only: device buffers take MPI's
-collectives.
+its reduction communicator where
+[`mpishard.comm.hierarchical.choose`][mpishard.comm.hierarchical.choose] measured it faster. Host
+(NumPy) buffers only: device buffers take MPI's collectives.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from .communicator import FlatComm, Handle
 
 __all__ = ["RING_MIN_ELEMENTS", "RingComm"]
 
-#: The ring is tried (:func:`mpishard.comm.hierarchical.choose`, ZeRO-2's
+#: The ring is tried (`mpishard.comm.hierarchical.choose`, ZeRO-2's
 #: ``reduce_method="auto"``) for buckets of at least this many elements only.
 #: Below, each of its ``N - 1`` steps costs more in Python and message latency
 #: than it saves; and the choice stays the group's own calls, whose order of
@@ -59,9 +59,9 @@ _TAG_SPACE = 32767
 
 
 class RingComm:
-    """Sums over ``group`` (a :class:`FlatComm`) by rings of ``Isend``/``Irecv``.
+    """Sums over ``group`` (a [`FlatComm`][mpishard.comm.FlatComm]) by rings of ``Isend``/``Irecv``.
 
-    Its messages travel on a duplicate of ``group``'s communicator (:attr:`ring`,
+    Its messages travel on a duplicate of ``group``'s communicator ([`ring`][mpishard.comm.ring],
     made here: collective over ``group``), so they never meet another call's. Non-blocking
     calls return a handle whose ``test()`` advances the ring by the steps whose
     messages have arrived and ``wait()`` completes it; each step's addition is
@@ -71,7 +71,7 @@ class RingComm:
     def __init__(self, group: FlatComm) -> None:
         self.group = group
         #: The duplicate the ring's messages travel on (revoked with the strategy's
-        #: communicators after a lost rank: :mod:`mpishard.recovery.inplace`).
+        #: communicators after a lost rank: `mpishard.recovery.inplace`).
         self.ring = group.dup(f"{group.name} (ring)")
         self.name, self.rank, self.size = group.name, group.rank, group.size
         self._calls = 0
@@ -110,8 +110,8 @@ class RingComm:
     def Ireduce_scatter(self, sendbuf: Any, recvbuf: Any, counts: list[int],
                         slot: Any = "reduce_scatter",
                         finish: Callable[[], None] | None = None) -> Handle:
-        """Start :meth:`Reduce_scatter` (``sendbuf`` is only read). Collective over
-        the group."""
+        """Start [`Reduce_scatter`][mpishard.comm.ring.RingComm.Reduce_scatter] (``sendbuf`` is only
+        read). Collective over the group."""
         if len(counts) != self.size:
             raise ValueError(f"expecting {self.size} counts, got {len(counts)}")
         if self.size == 1:
@@ -156,8 +156,8 @@ class RingComm:
 
 
 class _Ring(Handle):
-    """One ring call in progress: the :class:`~mpishard.comm.Handle` of its current
-    step's two messages, advanced step by step by :meth:`test` and :meth:`wait`."""
+    """One ring call in progress: the [`Handle`][mpishard.comm.Handle] of its current
+    step's two messages, advanced step by step by `test` and `wait`."""
 
     __slots__ = ("ring", "buf", "out", "counts", "displs", "tmp", "acc", "tag0", "gather",
                  "step", "pending")

@@ -4,26 +4,26 @@ Open MPI 5 started with ``mpirun --with-ft ulfm`` keeps a job running when a ran
 dies: on a communicator whose error handler is ``MPI.ERRORS_RETURN`` a call that
 involves the dead rank fails with ``ERR_PROC_FAILED`` (or ``ERR_REVOKED``, once a
 survivor has revoked the communicator) instead of ending the job. mpi4py raises
-that as :class:`mpi4py.MPI.Exception`, out of the library's timed calls
-(:meth:`FlatComm.wait_request <mpishard.comm.FlatComm.wait_request>` tests its
+that as `mpi4py.MPI.Exception`, out of the library's timed calls
+([`FlatComm.wait_request`][mpishard.comm.FlatComm.wait_request] tests its
 request, and the test reports the error). The survivors then:
 
 1. **revoke** the communicator, so every survivor, also one waiting in a call the
    dead rank was not part of, leaves it with ``ERR_REVOKED``;
 2. **shrink** it to the survivors (``MPI_Comm_shrink``: about 10 ms for 3 ranks here);
 3. **agree** on the last completed step: each survivor gives the step it completed
-   last; the newest wins, and :attr:`Survivors.source` (the lowest survivor that
+   last; the newest wins, and `Survivors.source` (the lowest survivor that
    completed it) hands its parameters and optimizer state to the others. (Under
    DDP a survivor that missed the end of that step only lacks the update; the
    reference that drops the rank from the next step is then reproduced exactly.)
 4. build the groups again over the survivors (the caller: a new
-   :class:`~mpishard.ShardingConfiguration` over :attr:`Survivors.world`'s
+   [`ShardingConfiguration`][mpishard.config.ShardingConfiguration] over `Survivors.world`'s
    communicator, which this layer cannot import).
 
-:func:`enable` sets ``ERRORS_RETURN`` on the library's communicators
-(``ShardingConfiguration(fault_tolerance="auto")`` does it where :func:`available`:
-the library has the ULFM calls and the job was started with fault tolerance on);
-:func:`available` says why not elsewhere.
+[`enable`][mpishard.comm.ulfm.enable] sets ``ERRORS_RETURN`` on the library's communicators
+(``ShardingConfiguration(fault_tolerance="auto")`` does it where
+[`available`][mpishard.comm.ulfm.available]: the library has the ULFM calls and the job was started
+with fault tolerance on); [`available`][mpishard.comm.ulfm.available] says why not elsewhere.
 Collectives over a revoked or failed communicator are the only MPI calls made here.
 """
 
@@ -70,8 +70,8 @@ MODES = ("auto", "ulfm", "off")
 
 def wanted(mode: str, world: FlatComm) -> bool:
     """Whether ``fault_tolerance=mode`` turns ULFM on for this job: ``"auto"`` when
-    :func:`available`, ``"ulfm"`` always (an error where it is not available),
-    ``"off"`` never. Collective over ``world`` (errors are agreed).
+    [`available`][mpishard.comm.ulfm.available], ``"ulfm"`` always (an error where it is not
+    available), ``"off"`` never. Collective over ``world`` (errors are agreed).
 
     Raises:
         ValueError: an unknown mode; MpiShardError: ``"ulfm"`` where it is not
@@ -89,14 +89,14 @@ def wanted(mode: str, world: FlatComm) -> bool:
 
 def enable(comms: Iterable[FlatComm], *, evict_stuck: bool = False) -> None:
     """Make calls over ``comms`` return errors (raised by mpi4py as
-    :class:`mpi4py.MPI.Exception`) instead of ending the job. Local.
+    `mpi4py.MPI.Exception`) instead of ending the job. Local.
     Communicators made from them later (dup, split, shrink) inherit it. (mpi4py
     sets ``ERRORS_RETURN`` on ``COMM_WORLD`` already unless
     ``mpi4py.rc.errors`` says otherwise; this makes it hold either way.)
 
     ``evict_stuck``: a timed call that runs out SIGKILLs the ranks of its group
     that did not arrive (on this host: a SIGSTOPped rank, an endless loop, a
-    deadlock; :func:`mpishard.comm.stuck.evict`) instead of aborting the job, so
+    deadlock; `mpishard.comm.stuck.evict`) instead of aborting the job, so
     the call fails with ``ERR_PROC_FAILED`` and the survivors recover in place.
     A second timeout in the same call aborts as usual."""
     for comm in comms:
@@ -106,7 +106,8 @@ def enable(comms: Iterable[FlatComm], *, evict_stuck: bool = False) -> None:
 
 
 def is_on(comm: FlatComm) -> bool:
-    """Whether :func:`enable` turned ULFM error handling on for ``comm``. Local."""
+    """Whether [`enable`][mpishard.comm.ulfm.enable] turned ULFM error handling on for ``comm``.
+    Local."""
     return bool(getattr(comm, "fault_tolerant", False))
 
 
@@ -120,10 +121,10 @@ class Survivors:
     """What the survivors of a lost rank agreed on ([`recover`][mpishard.comm.ulfm.recover]).
 
     Attributes:
-        world: a :class:`~mpishard.comm.FlatComm` over the survivors (errors return).
+        world: a [`FlatComm`][mpishard.comm.FlatComm] over the survivors (errors return).
         step: the newest step any survivor completed.
-        source: the lowest rank in :attr:`world` that completed :attr:`step`.
-        steps: each survivor's last completed step, by rank in :attr:`world`.
+        source: the lowest rank in `world` that completed `step`.
+        steps: each survivor's last completed step, by rank in `world`.
         lost: the ``MPI.COMM_WORLD`` ranks that are gone.
         seconds: from the call to the agreement.
     """
@@ -205,5 +206,5 @@ def exit_now(code: int = 0) -> None:
     os._exit(code)
 
 
-#: 0.5's name of :func:`exit_now` (the faults guide's own loops call it), kept importable.
+#: 0.5's name of `exit_now` (the faults guide's own loops call it), kept importable.
 leave = exit_now

@@ -2,9 +2,9 @@
 spread over ranks.
 
 Each core here owns attach / backward / step / state, how a bucket of gradients
-is reduced and :meth:`~DataParallelCore.rebuild` over new groups; it knows
-nothing of data sets, checkpoints or training loops (the layers above:
-:mod:`mpishard.train` runs the loop, :mod:`mpishard.strategies` holds the public
+is reduced and [`rebuild`][mpishard.parallel.base.DataParallelCore.rebuild] over new groups; it
+knows nothing of data sets, checkpoints or training loops (the layers above:
+[`mpishard.train`][mpishard.train] runs the loop, `mpishard.strategies` holds the public
 classes, one per name).
 """
 

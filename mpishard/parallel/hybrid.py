@@ -1,7 +1,7 @@
 """3D parallelism: ``HybridShardedModel`` and the hybrid strategy cores.
 
 Data, tensor and pipeline parallelism at once, in the ``tp-dp-pp`` rank order of
-:mod:`mpishard.topology`. Each rank builds only its pipeline stage's layers, and
+[`mpishard.topology`][mpishard.topology]. Each rank builds only its pipeline stage's layers, and
 of those only its tensor-parallel slice; the data-parallel group then runs DDP,
 ZeRO-2 or ZeRO-3 on that shard exactly as it would on a whole model.
 """
@@ -37,8 +37,8 @@ class HybridShardedModel:
     Args:
         model: a factory called as ``model(tp_comm=..., stage_layers=(start, stop))``
             that builds top-level layers ``[start, stop)`` of the model, split over
-            the tensor group: :class:`~mpishard.nn.GPT` or
-            :class:`~mpishard.nn.ParallelMLP` with their other arguments bound,
+            the tensor group: [`GPT`][mpishard.nn.GPT] or
+            [`ParallelMLP`][mpishard.nn.ParallelMLP] with their other arguments bound,
             e.g. ``functools.partial(GPT, 256, 64, 128, 4, 4)``. Every rank
             builds only its own part; nothing is replicated.
         config: the layout; built from the three sizes when not given.
@@ -52,8 +52,8 @@ class HybridShardedModel:
     It is a model (``params``, ``grads``, ``layout`` of this rank's shard;
     ``forward``; ``forward_backward`` runs the whole pipeline schedule and
     returns the step's mean loss on every rank) for the data-parallel group of
-    :class:`~mpishard.strategies.HybridShardedOptimizer`. Building is collective
-    over ``config.comm``.
+    [`HybridShardedOptimizer`][mpishard.strategies.hybrid.HybridShardedOptimizer]. Building is
+    collective over ``config.comm``.
 
     Raises:
         TopologyError: sizes that do not divide the world or disagree with ``config``.
@@ -116,8 +116,8 @@ class HybridShardedModel:
     def rebuild(self, config: ShardingConfiguration) -> None:
         """Build this model again over ``config``, in place, keeping this rank's
         parameters: after a recovery that dropped whole replicas
-        (:func:`mpishard.recovery.replicas.drop_replicas`) the kept ranks have new
-        groups but the same tensor and pipeline sizes, and each keeps its tensor
+        ([`mpishard.recovery.replicas.drop_replicas`][mpishard.recovery.replicas.drop_replicas]) the
+        kept ranks have new groups but the same tensor and pipeline sizes, and each keeps its tensor
         coordinate and pipeline stage, so its parameters are still its own.
         Gradients start at zero. Collective over ``config.comm``.
 
@@ -190,7 +190,7 @@ class HybridShardedModel:
         """Reproducible mode's units as the micro-batches of one pass of the
         schedule (at most ``micro_batches``), each unit's gradient alone between
         ``after_backward(i)`` and the next ``before_backward``; their mean losses
-        into ``losses`` on every rank (a :class:`~mpishard.protocols.UnitPassModel`).
+        into ``losses`` on every rank (a [`UnitPassModel`][mpishard.protocols.UnitPassModel]).
         ``contexts[i]``: unit ``i``'s ``(step, first row, global batch)``.
         Collective over pipeline and tensor groups."""
         self.runner.run_units(xs, ys, losses, contexts=contexts, loss_scale=loss_scale,
@@ -251,8 +251,8 @@ def _factory_problem(factory: Callable[..., Any]) -> str | None:
 
 class HybridCore:
     """What a data-parallel core needs to run on a shard of a
-    :class:`HybridShardedModel` (mixed in before :class:`~mpishard.parallel.DDPCore`
-    or :class:`~mpishard.parallel.ZeRO2Core`).
+    [`HybridShardedModel`][mpishard.parallel.hybrid.HybridShardedModel] (mixed in before
+    [`DDPCore`][mpishard.parallel.DDPCore] or [`ZeRO2Core`][mpishard.parallel.ZeRO2Core]).
 
     It takes the pipeline's micro-batches into account in the gradient average
     and computes the global gradient norm for clipping over the whole job,
@@ -269,7 +269,8 @@ class HybridCore:
 
     def recovery_problem(self) -> str | None:
         """Why whole replicas cannot go on after a lost rank (one data-parallel
-        replica only, or a model that is not a :class:`HybridShardedModel`), or None."""
+        replica only, or a model that is not a
+        [`HybridShardedModel`][mpishard.parallel.hybrid.HybridShardedModel]), or None."""
         topo = self.config.topology
         if topo.dp < 2 or not isinstance(self.model, HybridShardedModel):
             return (f"the layout has tensor_parallel_size={topo.tp}, pipeline_parallel_size="
@@ -309,13 +310,15 @@ class HybridCore:
 
 
 class HybridDDPCore(HybridCore, DDPCore):
-    """DDP over the data group of a :class:`HybridShardedModel`."""
+    """DDP over the data group of a
+    [`HybridShardedModel`][mpishard.parallel.hybrid.HybridShardedModel]."""
 
     strategy = "hybrid-ddp"
 
 
 class HybridZeRO2Core(HybridCore, ZeRO2Core):
-    """ZeRO-2 over the data group of a :class:`HybridShardedModel`.
+    """ZeRO-2 over the data group of a
+    [`HybridShardedModel`][mpishard.parallel.hybrid.HybridShardedModel].
 
     The pipeline accumulates the micro-batches' gradients in the stage's gradient
     vector, so the stage gradient exists in full (as for any model without
@@ -326,13 +329,14 @@ class HybridZeRO2Core(HybridCore, ZeRO2Core):
 
 
 class HybridZeRO3Core(HybridCore, ZeRO3Core):
-    """ZeRO-3 over the data group of a :class:`HybridShardedModel`.
+    """ZeRO-3 over the data group of a
+    [`HybridShardedModel`][mpishard.parallel.hybrid.HybridShardedModel].
 
     Each rank keeps its shard of its stage's (tensor slice of the) parameters;
     every forward and backward of the schedule's micro-batches gathers the
     stage's buckets over the data group. The stage gradient exists in full, as
-    with :class:`HybridZeRO2Core` (the pipeline accumulates the micro-batches'
-    gradients in it); the reduced gradient and the optimizer state are sharded.
+    with [`HybridZeRO2Core`][mpishard.parallel.hybrid.HybridZeRO2Core] (the pipeline accumulates the
+    micro-batches' gradients in it); the reduced gradient and the optimizer state are sharded.
     """
 
     strategy = "hybrid-zero3"

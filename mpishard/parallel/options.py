@@ -48,7 +48,7 @@ class DataParallelOptions:
         overlap: ``"auto"`` (DDP's default): reduce gradient buckets during
             the backward or after it, as recorded for the layout, modelled, or
             measured by a stand-in backward within a budget at attach
-            ([`overlap`][mpishard.parallel.overlap]; ``overlap_timings``,
+            (``mpishard.parallel.overlap``; ``overlap_timings``,
             ``bucketed``); ``"measure"``: always the stand-in, unbounded; True (ZeRO's default, see
             [`ZeRO2Options`][mpishard.parallel.zero2.ZeRO2Options]): during it (library
             models only); False: after it. The two ways may add in a different
@@ -161,7 +161,7 @@ def _option_names(options: type) -> frozenset[str]:
 
 class OptionsHome:
     """An object whose options have one home, ``options`` (a frozen dataclass of
-    :attr:`Options`): each option is read as an attribute (``core.bucket_mb``),
+    `Options`): each option is read as an attribute (``core.bucket_mb``),
     and a write of one (``core.schedule = f``) replaces it there, checked, so no
     attribute can diverge from the options."""
 

@@ -9,7 +9,7 @@ for the same cores. On one node reducing after the backward measured faster
 (2 ranks: 6-22 %, up to 2.3x); across rate-capped links reducing during it was
 5-20 % faster.
 
-:func:`decide_overlap` (``overlap="auto"``) decides from what is known first,
+`decide_overlap` (``overlap="auto"``) decides from what is known first,
 and measures only where nothing is, within a budget:
 
 1. recorded: a decision this process made for the same layout (a second
@@ -19,11 +19,11 @@ and measures only where nothing is, within a budget:
 2. modelled, "after": one gradient bucket (complete only when the backward
    ends: nothing to overlap); a model too small to gain, where the most overlap
    could hide (the cost model's reduction time of every bucket but the last,
-   :mod:`mpishard.costmodel`, on links as slow as 10 Gbit/s) is under
-   :data:`WORTH_MEASURING` a step; one node with host arrays (there the probe's
+   [`mpishard.costmodel`][mpishard.costmodel], on links as slow as 10 Gbit/s) is under
+   `WORTH_MEASURING` a step; one node with host arrays (there the probe's
    two ways measured within the machine's noise, and it picked the faster way of
    the real steps 5 times in 8: not worth seconds per attach);
-3. measured by :func:`choose_overlap` within :data:`PROBE_BUDGET` seconds,
+3. measured by `choose_overlap` within `PROBE_BUDGET` seconds,
    agreed over the group so that every rank stops together; the decision is
    then recorded (1).
 
@@ -31,11 +31,11 @@ and measures only where nothing is, within a budget:
 ``overlap_timings["source"]`` says which: ``"recorded"``, ``"modelled"`` or
 ``"measured"``, with its ``"reason"`` and the ``"seconds"`` the decision took.
 
-:func:`choose_overlap` runs a stand-in backward: the strategy's first buckets (at
-most :data:`PROBE_BUCKETS`), each preceded by matrix products in the parameters'
+`choose_overlap` runs a stand-in backward: the strategy's first buckets (at
+most `PROBE_BUCKETS`), each preceded by matrix products in the parameters'
 dtype lasting, over all of them, as long as their blocking reduction (the regime
 where overlap matters: compute and communication alike), through the very
-:class:`~mpishard.comm.buckets.GradientBuckets` machinery the strategy uses
+`GradientBuckets` machinery the strategy uses
 (hooks, polling, slots). Once with the non-blocking reductions launched from the
 hooks ("during"), once with blocking reductions after the compute ("after").
 Each way's time is the slowest rank's best of ``repeats`` alternating rounds
@@ -47,8 +47,8 @@ It is a model of the backward, not the backward: the real compute per bucket
 and its mix (memory-bound element-wise layers, small GEMMs) differ. The choice
 and the times are reported (``overlap_timings`` of the strategy). The stand-in
 reduces with the data group's own calls; whether the buckets then go in two
-levels across nodes (:func:`mpishard.comm.hierarchical.choose`) is measured
-after, for the way chosen here (blocking or not). ZeRO-2 with
+levels across nodes ([`mpishard.comm.hierarchical.choose`][mpishard.comm.hierarchical.choose]) is
+measured after, for the way chosen here (blocking or not). ZeRO-2 with
 ``reduce_method="auto"`` measures its reduce-scatter here, its method after.
 """
 
@@ -110,12 +110,12 @@ def decide_overlap(dp: FlatComm, agree: FlatComm, ranges: list[Range], dtype: An
                    measure: bool = False, budget: float | None = None) -> bool:
     """``overlap="auto"`` (``measure=False``) or ``"measure"``: True to reduce the
     buckets during the backward. Recorded, modelled or measured within ``budget``
-    seconds (:data:`PROBE_BUDGET` when None), in that order (the module's
-    docstring); ``measure`` runs :func:`choose_overlap` without a budget.
+    seconds (`PROBE_BUDGET` when None), in that order (the module's
+    docstring); ``measure`` runs `choose_overlap` without a budget.
 
-    The arguments are :func:`choose_overlap`'s, with ``nodes`` the world's
-    :class:`~mpishard.comm.nodes.NodeMap` (None: unknown). ``record`` receives
-    :func:`choose_overlap`'s keys (None where not measured) and ``"source"``,
+    The arguments are `choose_overlap`'s, with ``nodes`` the world's
+    [`NodeMap`][mpishard.comm.NodeMap] (None: unknown). ``record`` receives
+    `choose_overlap`'s keys (None where not measured) and ``"source"``,
     ``"reason"`` and ``"seconds"``. Every rank of ``agree`` gets the same
     decision, from one reduction of what each knows. Collective over ``agree``.
     """
@@ -166,9 +166,9 @@ def modelled_overlap(buckets: int, gain: float, nodes: int | None, device: bool,
                      worth: float | None = None) -> str | None:
     """Why reducing after the backward is decided without measuring, or None
     (measure): ``buckets`` the most gradient buckets of a data group, ``gain``
-    the most overlap could hide a step (:func:`gain_bound`, seconds), ``nodes``
+    the most overlap could hide a step (`gain_bound`, seconds), ``nodes``
     the job's node count (None: unknown), ``device`` whether the arrays are a
-    device's. ``worth``: :data:`WORTH_MEASURING` when None. Pure."""
+    device's. ``worth``: `WORTH_MEASURING` when None. Pure."""
     worth = WORTH_MEASURING if worth is None else worth
     if buckets <= 1:
         return "one gradient bucket, complete when the backward ends: nothing to overlap"
@@ -224,7 +224,7 @@ def describe_attach(core: Any) -> str:
 
 def record_path() -> str | None:
     """The file of decisions recorded for later launches: ``MPISHARD_OVERLAP_RECORD``,
-    or under the elastic agent (``MPISHARD_ELASTIC=1``) :data:`RECORD_FILE` in the
+    or under the elastic agent (``MPISHARD_ELASTIC=1``) `RECORD_FILE` in the
     agent's folder, which holds each launch's folder (``MPISHARD_JOB_DIR``) and
     outlives them; otherwise None. Local."""
     path = os.environ.get("MPISHARD_OVERLAP_RECORD")
@@ -292,7 +292,7 @@ def choose_overlap(dp: FlatComm, agree: FlatComm, ranges: list[Range], dtype: An
     the strategy's bucket ranges in backward order; ``kind``: ``"allreduce"``
     (DDP) or ``"reduce_scatter"`` (ZeRO-2); ``slots``: the buffers the buckets
     take turns on (ZeRO-2: 2). ``budget``: seconds it may take, agreed over
-    ``agree`` (:func:`~mpishard.comm.timing.within_budget`): it times fewer
+    ``agree`` (`within_budget`): it times fewer
     rounds, or none (then False, with a ``"reason"``) where one would not fit;
     None: no limit. ``record`` receives ``{"choice", "during", "after",
     "reduction", "compute", "buckets"}`` (seconds, None where not timed;
@@ -430,7 +430,7 @@ def _product_and_reduction(dp: FlatComm, agree: FlatComm, buckets: GradientBucke
 
 def _stand_in_buckets(dp: FlatComm, ranges: list[Range], kind: str, dtype: Any, xp: Any,
                       slots: int) -> tuple[GradientBuckets, list[Range]]:
-    """The strategy's first buckets (at most :data:`PROBE_BUCKETS`) moved to start at
+    """The strategy's first buckets (at most `PROBE_BUCKETS`) moved to start at
     0, over buffers of their own, and their ranges. A layout without parameters (a
     pipeline stage of activations only) has none: its ranks still take part in
     every agreement, measuring nothing."""

@@ -18,7 +18,7 @@ def _progress(name: str, doc: str) -> property:
 
 class Progress:
     """Where training is, saved and restored with checkpoints and put back by a
-    recovery: read as attributes, set through :meth:`set_progress` only (a
+    recovery: read as attributes, set through `set_progress` only (a
     write of an attribute goes there too). The step itself counts on."""
 
     step_count = _progress("step_count", "Optimizer steps taken (restored from checkpoints).")

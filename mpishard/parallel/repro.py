@@ -2,48 +2,48 @@
 
 With ``ShardingConfiguration(reproducible=True)`` a data-parallel core (DDP,
 ZeRO-2, ZeRO-3) hands its ``backward`` and the sums of its ``step`` to
-:class:`ReproducibleStep`, which stands in for its gradient reduction's step
+`ReproducibleStep`, which stands in for its gradient reduction's step
 (``reduce_step``, ``fill_totals``, ``read_totals``), counts its units in the
 core's [`StepTotals`][mpishard.parallel.totals.StepTotals] and keeps its own
 state:
 
 - **Units.** The global batch of ``B`` rows is cut into units of ``R`` rows
-  (:func:`unit_rows_for`: ``gcd(B, 24)`` units by default, ``gcd(B, lcm)`` of
+  (`unit_rows_for`: ``gcd(B, 24)`` units by default, ``gcd(B, lcm)`` of
   ``config.reproducible_sizes``, or ``config.unit_rows``; a dataset's short last
   batch of an epoch, with ``drop_last=False``, into units of one row).
   ``backward`` cuts the rows it is given at unit boundaries and runs one
   forward/backward per unit on a fixed buffer of exactly ``R`` rows, so a unit's
   gradient, computed with the same shapes and the same code, has the same bits
   on whatever rank computes it. A pipelined model (a
-  :class:`~mpishard.protocols.UnitPassModel`:
-  :class:`~mpishard.parallel.HybridShardedModel`) runs passes of its schedule
+  [`UnitPassModel`][mpishard.protocols.UnitPassModel]:
+  [`HybridShardedModel`][mpishard.parallel.HybridShardedModel]) runs passes of its schedule
   whose micro-batches are whole units (up to ``micro_batches`` a pass), each
   unit's gradient taken after its own backward: neither the micro-batch count,
   nor the schedule, nor the pipeline size changes a bit.
-- **Sums.** The step's gradient is the binned sum (:mod:`mpishard.reprosum`) of
+- **Sums.** The step's gradient is the binned sum ([`mpishard.reprosum`][mpishard.reprosum]) of
   the units' gradients: integer arithmetic, so neither the order of the units,
   nor how many ranks share them, nor the MPI algorithm changes a bit. Two ways
   to the same bits, chosen per step by the most units a rank holds (one small
   ``Allreduce(MAX)`` over ``groups.dp``):
 
-  * **few units a rank** (at most :data:`HELD_UNITS`, twice that alone; one
+  * **few units a rank** (at most `HELD_UNITS`, twice that alone; one
     unit per rank is the usual case at the largest size): each rank keeps its
     units' gradients as floats (the last where the model wrote it, the others
     copied aside), an ``Alltoallv`` per unit over ``groups.dp`` gives each rank
     every unit's chunks of the range it converts (its ZeRO-2/3 shard; for DDP an
     equal part on chunk boundaries, then an ``Allgatherv``), and
-    :func:`mpishard.kernels.deposit.exact_sum` sums them there in one pass whose
+    `mpishard.kernels.deposit.exact_sum` sums them there in one pass whose
     words never leave the cache. On the wire: the default mode's bytes
     (reduce-scatter and allgather of the gradient) with the reduce-scatter's
     times the units a rank holds.
   * **many units a rank**: the held units are deposited into ``K`` float64
     words per element whenever the rows are full
-    (:func:`mpishard.kernels.deposit.deposit_rows`: one pass over the words for
+    (`mpishard.kernels.deposit.deposit_rows`: one pass over the words for
     the rows); at ``step()``: ``Allreduce(MAX)`` of the chunk bins over
     ``groups.dp``, the words summed over it (DDP: ``Allreduce``; ZeRO-2/3:
     ``Reduce_scatter`` or ``Allreduce``) and converted back.
 
-  The loss (:class:`~mpishard.reprosum.ScalarSum`), and for clipping the global
+  The loss ([`ScalarSum`][mpishard.reprosum.ScalarSum]), and for clipping the global
   sum of squares (over each rank's share: any partition gives the same bits),
   ride as words in the step's one float64 ``Allreduce``, after a tiny
   ``Allreduce(MAX)`` of their bins over the step group. Row counts and flags are
@@ -116,7 +116,7 @@ def unit_rows_for(global_rows: int, unit_rows: int | None,
                   sizes: tuple[int, ...] | None = None) -> int:
     """Rows per unit for a global batch of ``global_rows``: ``unit_rows``, or
     ``global_rows // gcd(global_rows, L)`` with ``L`` the least common multiple of
-    ``sizes`` (``config.reproducible_sizes``; by default :data:`DEFAULT_UNITS`)."""
+    ``sizes`` (``config.reproducible_sizes``; by default `DEFAULT_UNITS`)."""
     if unit_rows is not None:
         return unit_rows
     units = math.lcm(*sizes) if sizes else DEFAULT_UNITS
@@ -201,7 +201,7 @@ class ReproducibleStep:
         with fewer join the others' gathers without a model, after their own
         passes. How many is agreed before any pass: a pass waits for its gathers,
         so a rank must not be waiting in another collective meanwhile. (A
-        pipelined model's passes are run alike on every rank: :meth:`_run_passes`.)
+        pipelined model's passes are run alike on every rank: `_run_passes`.)
         """
         if replay is None or self._passes is not None:
             return self._units_backward(x, y, batch_start, global_rows)
@@ -501,7 +501,7 @@ class ReproducibleStep:
     # --- step: the totals (loss, sum of squares) -------------------------------------
     def fill_totals(self, totals: StepTotals, clipping: bool) -> None:
         """This rank's totals into the step buffer, the loss and the squares as
-        binned words after the flags (:meth:`_fill_words`). Collective over the
+        binned words after the flags (`_fill_words`). Collective over the
         step group."""
         totals.fill(clipping)
         self._fill_words(totals, clipping)

@@ -1,11 +1,11 @@
 """How reproducible mode moves the units' sums over the data-parallel group.
 
-* :class:`FloatExchange`: the float path's plan, every unit's chunks of a range
+* `FloatExchange`: the float path's plan, every unit's chunks of a range
   to the rank that converts that range (one ``Alltoallv`` per unit).
-* :class:`WordShards`: the words path's reduction of binned words to ZeRO-2's
+* `WordShards`: the words path's reduction of binned words to ZeRO-2's
   shards (one ``Reduce_scatter`` per word row).
 
-Both are made once and called from :class:`~mpishard.parallel.repro.ReproducibleStep`.
+Both are made once and called from `ReproducibleStep`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ __all__ = ["FloatExchange", "WordShards"]
 
 
 class WordShards:
-    """Sum the words of a :class:`~mpishard.reprosum.BinnedAccumulator` over a
+    """Sum the words of a [`BinnedAccumulator`][mpishard.reprosum.BinnedAccumulator] over a
     group so that each rank gets only its shard's: one ``Reduce_scatter`` per
     word row over the padded shard ranges (the words are padded per tensor).
     Integer sums in float64: any algorithm gives the same bits. Made once."""

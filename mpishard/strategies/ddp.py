@@ -16,14 +16,15 @@ class DDPOptimizer(Strategy):
     """Distributed data parallel: every rank holds the whole model and optimizer
     state; gradients are summed with ``Allreduce`` in buckets, during the backward
     or after it (``overlap="auto"``, the default: whichever measured faster at
-    attach) (:class:`~mpishard.parallel.DDPCore`).
+    attach) ([`DDPCore`][mpishard.parallel.DDPCore]).
 
     Args:
-        optimizer: the update rule (:mod:`mpishard.optim`).
+        optimizer: the update rule ([`mpishard.optim`][mpishard.optim]).
         config: the layout (``ShardingConfiguration()`` over ``MPI.COMM_WORLD``
             when None); data parallel over ``config.groups.dp``.
-        model: attach at once (otherwise :meth:`attach` or :meth:`optimize` does).
-        **options: :class:`~mpishard.parallel.DataParallelOptions`
+        model: attach at once (otherwise [`attach`][mpishard.strategies.base.Strategy.attach] or
+            [`optimize`][mpishard.strategies.base.Strategy.optimize] does).
+        **options: [`DataParallelOptions`][mpishard.parallel.DataParallelOptions]
             (``bucket_mb``, ``accumulation_steps``, ``max_grad_norm``,
             ``schedule``, ``overlap``, ``nonfinite``).
 

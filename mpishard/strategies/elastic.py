@@ -9,25 +9,25 @@ workers at a new size after a failure or a change of slots). While training it
 checkpoints every ``checkpoint_every`` steps, and on SIGUSR1 (a planned resize,
 sent by the agent) or SIGTERM (a Slurm preemption or time limit) it checkpoints
 at the next step boundary and returns: ``result.stopped`` names the signal,
-:attr:`ElasticOptimizer.stop_reason` says ``"resize"`` or ``"preempt"``, and
-:attr:`ElasticOptimizer.exit_code` is :data:`~mpishard.exitcodes.EXIT_STOPPED`
-(75), the status the agent expects from a worker that stopped to be relaunched
-(``raise SystemExit(opt.exit_code)`` at the end of the script), so the job goes
-on elsewhere or at another size from exactly there. ``optimize()`` never ends
-the process itself (a library call inside a simulation must not), unless
-``exit_on_signal=True`` asks for it.
+[`ElasticOptimizer.stop_reason`][mpishard.strategies.elastic.ElasticOptimizer.stop_reason] says
+``"resize"`` or ``"preempt"``, and
+[`ElasticOptimizer.exit_code`][mpishard.strategies.elastic.ElasticOptimizer.exit_code] is
+`EXIT_STOPPED` (75), the status the agent expects from a worker that stopped to be relaunched
+(``raise SystemExit(opt.exit_code)`` at the end of the script), so the job goes on elsewhere or at
+another size from exactly there. ``optimize()`` never ends the process itself (a library call inside
+a simulation must not), unless ``exit_on_signal=True`` asks for it.
 
 A worker script written for 0.1 (whose ``optimize()`` exited the process) ends
 with status 0 after such a stop unless it exits with ``exit_code``. Two things
 keep that from ending a job early: rank 0 leaves a note in the launch folder
-(:data:`~mpishard.exitcodes.STOP_NOTE`), from which ``mpishard run`` tells a
+(`STOP_NOTE`), from which ``mpishard run`` tells a
 stop it asked for from a finished run and relaunches (or exits 75) all the same;
-and a process that never read :attr:`~ElasticOptimizer.exit_code` (or
-:attr:`~ElasticOptimizer.stop_reason`) after a stop prints, at exit, one line
-that says what to change.
+and a process that never read [`exit_code`][mpishard.strategies.elastic.ElasticOptimizer.exit_code]
+(or [`stop_reason`][mpishard.strategies.elastic.ElasticOptimizer.stop_reason]) after a stop prints,
+at exit, one line that says what to change.
 
 Signals reach the ranks at different moments, so the decision to stop is agreed
-collectively after every step (:class:`~mpishard.train.StopRequest`: one
+collectively after every step ([`StopRequest`][mpishard.train.StopRequest]: one
 Allreduce of one number over the world), and every rank stops after the same step.
 """
 
@@ -56,7 +56,7 @@ __all__ = ["BATCH_POLICIES", "ElasticOptimizer"]
 #: share adapts). ``scale-lr``: each worker keeps its batch, the global batch
 #: grows with the workers and the learning rate is scaled linearly with it.
 BATCH_POLICIES = ("fixed-global", "scale-lr")
-#: Why the loop stopped -> :attr:`ElasticOptimizer.stop_reason`.
+#: Why the loop stopped -> `ElasticOptimizer.stop_reason`.
 _REASONS = {"SIGUSR1": "resize", "SIGTERM": "preempt"}
 
 
@@ -64,7 +64,7 @@ class ElasticOptimizer(Strategy):
     """A data-parallel optimizer whose job may shrink and grow between restarts.
 
     Args:
-        optimizer: the update rule (:mod:`mpishard.optim`).
+        optimizer: the update rule ([`mpishard.optim`][mpishard.optim]).
         config: the layout; the data-parallel size is the number of workers.
         min_workers, max_workers: the allowed range; starting outside it is an
             error on every rank. Not given: the ``mpishard run`` agent's
@@ -77,12 +77,13 @@ class ElasticOptimizer(Strategy):
         checkpoint_every: steps between periodic checkpoints (None: only on a
             signal and at the end).
         keep: checkpoints kept in the folder.
-        batch_policy: see :data:`BATCH_POLICIES`.
+        batch_policy: see `BATCH_POLICIES`.
         reference_workers: the worker count the base learning rate is meant for
             (``scale-lr`` only): lr = base lr x workers / reference_workers.
         exit_on_signal: True: after the checkpoint a signal asked for, exit the
             process with ``EXIT_STOPPED`` (75, what the agent expects). False
-            (the default): return; the script exits with :attr:`exit_code`.
+            (the default): return; the script exits with
+            [`exit_code`][mpishard.strategies.elastic.ElasticOptimizer.exit_code].
         **options: passed to the inner strategy (bucket_mb, max_grad_norm, ...).
             For runs that must agree bit for bit across restarts with ZeRO-2 or -3, pin
             ``reduce_method`` ("reduce_scatter" or "allreduce"): "auto" chooses by
@@ -156,22 +157,23 @@ class ElasticOptimizer(Strategy):
 
     @property
     def inner(self) -> Any:
-        """The DDP, ZeRO-2 or ZeRO-3 core (:attr:`core`; the name of 0.4)."""
+        """The DDP, ZeRO-2 or ZeRO-3 core (`core`; the name of 0.4)."""
         return self.core
 
     @property
     def exit_code(self) -> int:
-        """What the worker process should exit with: :data:`~mpishard.exitcodes.EXIT_STOPPED`
-        (75: checkpointed, relaunch me) after a stop a signal or :meth:`request_stop`
-        asked for, else 0."""
+        """What the worker process should exit with: `EXIT_STOPPED`
+        (75: checkpointed, relaunch me) after a stop a signal or
+        [`request_stop`][mpishard.strategies.elastic.ElasticOptimizer.request_stop] asked for, else
+        0."""
         self._seen()
         return EXIT_STOPPED if self._stop_reason is not None else 0
 
     @property
     def stop_reason(self) -> str | None:
-        """Why the last :meth:`optimize` stopped before its end: ``"resize"``
-        (SIGUSR1), ``"preempt"`` (SIGTERM), the reason given to
-        :meth:`request_stop`, or None."""
+        """Why the last [`optimize`][mpishard.strategies.elastic.ElasticOptimizer.optimize] stopped
+        before its end: ``"resize"`` (SIGUSR1), ``"preempt"`` (SIGTERM), the reason given to
+        [`request_stop`][mpishard.strategies.elastic.ElasticOptimizer.request_stop], or None."""
         self._seen()
         return self._stop_reason
 
@@ -180,9 +182,10 @@ class ElasticOptimizer(Strategy):
             self._stopped.seen = True
 
     def new_pass(self) -> None:
-        """Start a new pass over the data at the next :meth:`optimize` (after it
-        has resumed from the newest checkpoint): epoch 0 of all the data, the
-        seed and shuffle it is given, ``epochs`` counted from there. Local."""
+        """Start a new pass over the data at the next
+        [`optimize`][mpishard.strategies.elastic.ElasticOptimizer.optimize] (after it has resumed
+        from the newest checkpoint): epoch 0 of all the data, the seed and shuffle it is given,
+        ``epochs`` counted from there. Local."""
         self._new_pass = True
 
     def request_stop(self, reason: str = "resize") -> None:
@@ -213,20 +216,22 @@ class ElasticOptimizer(Strategy):
 
         ``data``, ``seed``, ``callback(step, loss)`` and the rules for a
         restored data position are those of every strategy's ``optimize()``
-        (:meth:`~mpishard.strategies.Strategy.optimize`). ``batch_size``: the global
+        ([`optimize`][mpishard.strategies.base.Strategy.optimize]). ``batch_size``: the global
         batch (``fixed-global``) or each worker's batch (``scale-lr``, where the
         global batch follows the worker count without a warning); for a
-        :class:`~mpishard.data.BatchStream`, ``epochs`` and ``batch_size`` are
+        [`BatchStream`][mpishard.data.BatchStream], ``epochs`` and ``batch_size`` are
         None and a relaunched worker's stream is placed at the checkpoint's
-        batch count (``first=``, :mod:`mpishard.data.stream`). ``options``
-        go to :func:`~mpishard.train.run_training`. After a stop asked for by a
-        signal or :meth:`request_stop` it returns (``result.stopped``,
-        :attr:`stop_reason`; :attr:`exit_code` is 75), or exits the process with
-        that code when ``exit_on_signal`` is True. Collective over the world.
+        batch count (``first=``, `mpishard.data.stream`). ``options``
+        go to [`run_training`][mpishard.train.run_training]. After a stop asked for by a
+        signal or [`request_stop`][mpishard.strategies.elastic.ElasticOptimizer.request_stop] it
+        returns (``result.stopped``,
+        [`stop_reason`][mpishard.strategies.elastic.ElasticOptimizer.stop_reason];
+        [`exit_code`][mpishard.strategies.elastic.ElasticOptimizer.exit_code] is 75), or exits the
+        process with that code when ``exit_on_signal`` is True. Collective over the world.
 
         With fault tolerance on (``ShardingConfiguration(fault_tolerance=...)``
         under ``mpirun --with-ft ulfm``), a rank that dies is recovered from in
-        place (``result.recoveries``; :func:`~mpishard.train.run_training`
+        place (``result.recoveries``; [`run_training`][mpishard.train.run_training]
         says how); fewer survivors than ``min_workers`` checkpoint and end the
         process with 75, one line saying why, for ``mpishard run`` to relaunch.
         """
@@ -275,7 +280,7 @@ class ElasticOptimizer(Strategy):
 
     def _note_stop(self, result: TrainResult | None) -> None:
         """Rank 0 notes the stop of ``result`` in the launch folder for the
-        agent (:data:`~mpishard.exitcodes.STOP_NOTE`), or removes the note
+        agent (`STOP_NOTE`), or removes the note
         (None). Local; nothing outside ``mpishard run``."""
         folder = os.environ.get("MPISHARD_JOB_DIR")
         if not folder or self.config.world.rank != 0:
@@ -312,10 +317,11 @@ class ElasticOptimizer(Strategy):
 
 @dataclass
 class _Stop:
-    """A stop of :meth:`ElasticOptimizer.optimize` to be relaunched: its reason,
-    the step, whether this rank speaks for the job, and whether the script read
-    ``exit_code`` (or ``stop_reason``) since. Kept for the exit even when the
-    optimizer is gone (a script's ``main()`` returned)."""
+    """A stop of
+    [`ElasticOptimizer.optimize`][mpishard.strategies.elastic.ElasticOptimizer.optimize] to be
+    relaunched: its reason, the step, whether this rank speaks for the job, and whether the script
+    read ``exit_code`` (or ``stop_reason``) since. Kept for the exit even when the optimizer is gone
+    (a script's ``main()`` returned)."""
 
     reason: str
     step: int
@@ -323,7 +329,7 @@ class _Stop:
     seen: bool = False
 
 
-#: The stops of this process, for :func:`_unread_stop_at_exit`.
+#: The stops of this process, for `_unread_stop_at_exit`.
 _STOPS: list[_Stop] = []
 
 

@@ -17,23 +17,25 @@ class ZeRO3Optimizer(Strategy):
     the reduced gradient and of the optimizer state; a layer's parameters are
     gathered (``Iallgatherv``, a bucket at a time, the next one prefetched) just
     before it runs in the forward and again in the backward, and the update
-    leaves them sharded (:class:`~mpishard.parallel.ZeRO3Core`).
+    leaves them sharded ([`ZeRO3Core`][mpishard.parallel.ZeRO3Core]).
 
-    The library's models (:mod:`mpishard.nn`, and
-    :class:`~mpishard.parallel.HybridShardedModel` through
+    The library's models ([`mpishard.nn`][mpishard.nn], and
+    [`HybridShardedModel`][mpishard.parallel.HybridShardedModel] through
     ``HybridShardedOptimizer(data_parallel="zero3")``) read their parameters
     through hooks the strategy sets; a model without them (a
-    :class:`~mpishard.nn.FunctionModel`, your own) keeps its whole vector and is
+    [`FunctionModel`][mpishard.nn.FunctionModel], your own) keeps its whole vector and is
     trained as ZeRO-2 trains it. While attached, a library model's ``params`` is
     None and its ``forward`` is collective over ``groups.dp``: use
-    :meth:`gathered_parameters` or :meth:`unshard` to read it on one rank.
+    [`gathered_parameters`][mpishard.strategies.base.Strategy.gathered_parameters] or
+    [`unshard`][mpishard.strategies.zero3.ZeRO3Optimizer.unshard] to read it on one rank.
 
     Args:
-        optimizer: the update rule (:mod:`mpishard.optim`).
+        optimizer: the update rule ([`mpishard.optim`][mpishard.optim]).
         config: the layout (``ShardingConfiguration()`` when None); data parallel
             over ``config.groups.dp``.
-        model: attach at once (otherwise :meth:`attach` or :meth:`optimize` does).
-        **options: :class:`~mpishard.parallel.ZeRO3Options` (those of ZeRO-2, and
+        model: attach at once (otherwise [`attach`][mpishard.strategies.base.Strategy.attach] or
+            [`optimize`][mpishard.strategies.base.Strategy.optimize] does).
+        **options: [`ZeRO3Options`][mpishard.parallel.ZeRO3Options] (those of ZeRO-2, and
             ``prefetch``, ``keep_gathered``, ``gather_mb``).
 
     Building it is collective over ``config.world``.
