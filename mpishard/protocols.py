@@ -175,7 +175,7 @@ class ShardableModel(Protocol):
 @runtime_checkable
 class UnitPassModel(Protocol):
     """A model that runs several units of reproducible mode in one pass, each
-    unit's gradient alone ([`HybridShardedModel`][mpishard.parallel.HybridShardedModel]: the
+    unit's gradient alone ([`HybridShardedModel`][mpishard.nn.hybrid.HybridShardedModel]: the
     units are the micro-batches of one pass of its pipeline schedule).
 
     * ``micro_batches``: the most units a pass runs.

@@ -57,14 +57,9 @@ def worker() -> None:
     from mpi4py import MPI
 
     from mpishard import ShardingConfiguration
-    from mpishard.nn import GPT, MLP
+    from mpishard.nn import GPT, MLP, HybridShardedModel
     from mpishard.optim import AdamW
-    from mpishard.strategies import (
-        DDPOptimizer,
-        HybridShardedModel,
-        HybridShardedOptimizer,
-        ZeRO2Optimizer,
-    )
+    from mpishard.strategies import DDPOptimizer, HybridShardedOptimizer, ZeRO2Optimizer
 
     world = MPI.COMM_WORLD
     rng = np.random.default_rng(3)

@@ -323,7 +323,7 @@ def _model(s: Settings, config: Any, dtype: np.dtype, n_in: int, n_out: int,
                                     dtype=dtype, seed=s.seed, xp=xp)
     if s.strategy != "hybrid":
         return factory()
-    from ..strategies import HybridShardedModel
+    from ..nn import HybridShardedModel
 
     return HybridShardedModel(factory, config, micro_batches=s.micro_batches,
                               schedule=s.schedule)

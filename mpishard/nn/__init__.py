@@ -7,6 +7,7 @@ from .dropout import Dropout
 from .embedding import Embedding, LMHead
 from .function_model import FunctionModel
 from .gpt import GPT, TransformerBlock
+from .hybrid import HybridShardedModel
 from .layers import LayerNorm, Linear
 from .losses import Loss, MSELoss, SoftmaxCrossEntropy
 from .mlp import MLP
@@ -33,6 +34,7 @@ __all__ = [
     "FunctionModel",
     "GELU",
     "GPT",
+    "HybridShardedModel",
     "LMHead",
     "Layer",
     "LayerNorm",

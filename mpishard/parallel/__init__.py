@@ -5,18 +5,16 @@ Each core here owns attach / backward / step / state, how a bucket of gradients
 is reduced and [`rebuild`][mpishard.parallel.base.DataParallelCore.rebuild] over new groups; it
 knows nothing of data sets, checkpoints or training loops (the layers above:
 [`mpishard.train`][mpishard.train] runs the loop, `mpishard.strategies` holds the public
-classes, one per name).
+classes, one per name). The model of 3D parallelism,
+[`HybridShardedModel`][mpishard.nn.hybrid.HybridShardedModel], is in the models' layer.
 """
 
+# A model, in the models' layer since 0.6; still importable here (not in __all__, so
+# the API reference renders it once, under mpishard.nn).
+from ..nn.hybrid import HybridShardedModel as HybridShardedModel
 from .base import DataParallelCore, DataParallelOptions
 from .ddp import DDPCore
-from .hybrid import (
-    HybridCore,
-    HybridDDPCore,
-    HybridShardedModel,
-    HybridZeRO2Core,
-    HybridZeRO3Core,
-)
+from .hybrid import HybridCore, HybridDDPCore, HybridZeRO2Core, HybridZeRO3Core
 from .zero2 import REDUCE_METHODS, ZeRO2Core, ZeRO2Options, choose_reduce_method
 from .zero3 import ZeRO3Core, ZeRO3Options
 
@@ -27,7 +25,6 @@ __all__ = [
     "DataParallelOptions",
     "HybridCore",
     "HybridDDPCore",
-    "HybridShardedModel",
     "HybridZeRO2Core",
     "HybridZeRO3Core",
     "ZeRO2Core",

@@ -16,7 +16,7 @@ state:
   gradient, computed with the same shapes and the same code, has the same bits
   on whatever rank computes it. A pipelined model (a
   [`UnitPassModel`][mpishard.protocols.UnitPassModel]:
-  [`HybridShardedModel`][mpishard.parallel.HybridShardedModel]) runs passes of its schedule
+  [`HybridShardedModel`][mpishard.nn.hybrid.HybridShardedModel]) runs passes of its schedule
   whose micro-batches are whole units (up to ``micro_batches`` a pass), each
   unit's gradient taken after its own backward: neither the micro-batch count,
   nor the schedule, nor the pipeline size changes a bit.

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 from .registry import STRATEGIES, StrategyEntry, strategy_entry
 
 if TYPE_CHECKING:
-    from ..parallel import HybridShardedModel, choose_reduce_method
+    from ..nn.hybrid import HybridShardedModel
+    from ..parallel import choose_reduce_method
     from ..train import TrainResult
     from .base import Strategy
     from .ddp import DDPOptimizer
@@ -49,7 +50,7 @@ __all__ = [
 # Where each name loaded on first use lives (relative to this package).
 _WHERE = {
     "BATCH_POLICIES": ".elastic", "DDPOptimizer": ".ddp", "ElasticOptimizer": ".elastic",
-    "HybridShardedModel": "..parallel", "HybridShardedOptimizer": ".hybrid",
+    "HybridShardedModel": "..nn.hybrid", "HybridShardedOptimizer": ".hybrid",
     "Strategy": ".base", "TrainResult": "..train", "ZeRO2Optimizer": ".zero2",
     "ZeRO3Optimizer": ".zero3", "choose_reduce_method": "..parallel",
 }

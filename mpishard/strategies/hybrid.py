@@ -1,22 +1,22 @@
 """``HybridShardedOptimizer``: the data-parallel side of 3D (tensor, pipeline, data)
-parallelism, on a [`HybridShardedModel`][mpishard.parallel.hybrid.HybridShardedModel]."""
+parallelism, on a [`HybridShardedModel`][mpishard.nn.hybrid.HybridShardedModel]."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..config import ShardingConfiguration
-from ..parallel import HybridShardedModel
+from ..nn.hybrid import HybridShardedModel as HybridShardedModel  # re-export
 from ..protocols import Optimizer
 from .base import Strategy
 from .registry import strategy_entry
 
-__all__ = ["HybridShardedModel", "HybridShardedOptimizer"]
+__all__ = ["HybridShardedOptimizer"]
 
 
 class HybridShardedOptimizer(Strategy):
     """DDP, ZeRO-2 or ZeRO-3 over the data-parallel group of a
-    [`HybridShardedModel`][mpishard.parallel.hybrid.HybridShardedModel] (its tensor
+    [`HybridShardedModel`][mpishard.nn.hybrid.HybridShardedModel] (its tensor
     and pipeline groups do the rest): the ``hybrid`` core of the strategy's entry in
     [`STRATEGIES`][mpishard.strategies.registry.STRATEGIES]
     ([`HybridDDPCore`][mpishard.parallel.hybrid.HybridDDPCore],
@@ -29,7 +29,7 @@ class HybridShardedOptimizer(Strategy):
         data_parallel: a name of [`STRATEGIES`][mpishard.strategies.registry.STRATEGIES]:
             ``"ddp"``, ``"zero2"`` or ``"zero3"`` (a stage's parameters sharded
             too, gathered before each forward and backward of the schedule).
-        model: the [`HybridShardedModel`][mpishard.parallel.hybrid.HybridShardedModel]
+        model: the [`HybridShardedModel`][mpishard.nn.hybrid.HybridShardedModel]
             to attach.
         **options: the options of the chosen data-parallel strategy
             ([`DataParallelOptions`][mpishard.parallel.base.DataParallelOptions],

@@ -20,7 +20,7 @@ class ZeRO3Optimizer(Strategy):
     leaves them sharded ([`ZeRO3Core`][mpishard.parallel.ZeRO3Core]).
 
     The library's models ([`mpishard.nn`][mpishard.nn], and
-    [`HybridShardedModel`][mpishard.parallel.HybridShardedModel] through
+    [`HybridShardedModel`][mpishard.nn.hybrid.HybridShardedModel] through
     ``HybridShardedOptimizer(data_parallel="zero3")``) read their parameters
     through hooks the strategy sets; a model without them (a
     [`FunctionModel`][mpishard.nn.FunctionModel], your own) keeps its whole vector and is

@@ -138,8 +138,7 @@ import functools, time
 import numpy as np
 from mpi4py import MPI
 from mpishard import ShardingConfiguration
-from mpishard.nn import ParallelMLP
-from mpishard.parallel import HybridShardedModel
+from mpishard.nn import HybridShardedModel, ParallelMLP
 
 config = ShardingConfiguration(pipeline_parallel_size=2, timeout={timeout})   # dp = n / 2
 factory = functools.partial(ParallelMLP, [6, 8, 8, 4], activation="tanh", dtype=np.float64,

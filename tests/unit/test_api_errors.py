@@ -10,8 +10,8 @@ from mpi4py import MPI
 
 from mpishard import ShardingConfiguration
 from mpishard.nn import GPT, MLP, ParallelMLP
+from mpishard.nn.hybrid import _factory_problem
 from mpishard.optim import SGD
-from mpishard.parallel.hybrid import _factory_problem
 from mpishard.strategies import DDPOptimizer, HybridShardedModel
 
 
