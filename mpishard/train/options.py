@@ -4,7 +4,6 @@ training-loop page."""
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
@@ -97,11 +96,11 @@ def option_groups(sampling: Sampling | None, reporting: Reporting | None,
     """The three groups, with the flat keywords ``flat`` set into them (a flat
     keyword and its group given together: the flat one wins).
 
-    ``buddy_copies`` (0.4, now an option of ZeRO-2's constructor) still sets the
-    ``core``'s, with a ``DeprecationWarning``.
+    ``core`` names the strategy in the error for ``buddy_copies``, an option of
+    ZeRO-2's and ZeRO-3's constructors (``optimize()`` took it up to 0.5).
 
     Raises:
-        TypeError: an unknown keyword.
+        TypeError: an unknown keyword, or ``buddy_copies`` (saying where it goes).
     """
     groups = {Sampling: replace(sampling) if sampling is not None else Sampling(),
               Reporting: replace(reporting) if reporting is not None else Reporting(),
@@ -109,16 +108,23 @@ def option_groups(sampling: Sampling | None, reporting: Reporting | None,
                               else Checkpointing())}
     for name, value in flat.items():
         if name == "buddy_copies":
-            warnings.warn("optimize(buddy_copies=...) is deprecated and goes in 0.6: pass it "
-                          "to ZeRO2Optimizer(..., buddy_copies=...)", DeprecationWarning,
-                          stacklevel=4)
-            if core is not None and hasattr(core, "buddy_copies"):
-                core.options = replace(core.options, buddy_copies=bool(value))
-                core.buddy_copies = bool(value)
-            continue
+            raise TypeError(_buddy_copies_error(core))
         if name not in FLAT_OPTIONS:
             raise TypeError(f"unknown training option {name!r}; expecting one of "
                             f"{sorted(FLAT_OPTIONS)}, max_steps, stop or callback")
         group, field_name = FLAT_OPTIONS[name]
         setattr(groups[group], field_name, value)
     return groups[Sampling], groups[Reporting], groups[Checkpointing]
+
+
+def _buddy_copies_error(core: Any) -> str:
+    """Where ``buddy_copies`` goes since 0.6, for the strategy ``core`` runs."""
+    public = getattr(core, "public", None)
+    if hasattr(getattr(core, "options", None), "buddy_copies"):
+        where = f"pass it to the constructor: {public}(..., buddy_copies=...)"
+    else:
+        where = ("it is an option of ZeRO2Optimizer(..., buddy_copies=...) and "
+                 "ZeRO3Optimizer(..., buddy_copies=...)"
+                 + (f"; this {public} ({core.strategy}) keeps none"
+                    if public and hasattr(core, "strategy") else ""))
+    return f"optimize() takes no buddy_copies since 0.6: {where}"

@@ -12,7 +12,7 @@ from mpishard import ShardingConfiguration
 from mpishard.nn import GPT, MLP, ParallelMLP
 from mpishard.nn.hybrid import _factory_problem
 from mpishard.optim import SGD
-from mpishard.strategies import DDPOptimizer, HybridShardedModel
+from mpishard.strategies import DDPOptimizer, HybridShardedModel, ZeRO2Optimizer
 
 
 def test_factories_that_take_a_tensor_group_pass():
@@ -41,3 +41,18 @@ def test_own_loop_without_a_model_says_how_to_attach_one():
     ddp.attach(MLP([4, 8, 2]))
     ddp.backward(x, y)
     assert ddp.step() > 0
+
+
+@pytest.mark.parametrize("cls, message", [
+    (ZeRO2Optimizer, r"optimize\(\) takes no buddy_copies since 0\.6: pass it to the "
+                     r"constructor: ZeRO2Optimizer\(\.\.\., buddy_copies=\.\.\.\)"),
+    (DDPOptimizer, r"it is an option of ZeRO2Optimizer\(\.\.\., buddy_copies=\.\.\.\) and "
+                   r"ZeRO3Optimizer\(\.\.\., buddy_copies=\.\.\.\); this DDPOptimizer "
+                   r"\(ddp\) keeps none"),
+])
+def test_optimize_buddy_copies_names_the_constructor(cls, message):
+    # optimize(buddy_copies=) warned in 0.5 and set the core's option; 0.6 removed it.
+    strategy = cls(SGD(lr=0.1), ShardingConfiguration(MPI.COMM_SELF))
+    x, y = np.zeros((4, 4)), np.zeros((4, 2))
+    with pytest.raises(TypeError, match=message):
+        strategy.optimize(MLP([4, 8, 2]), (x, y), epochs=1, batch_size=4, buddy_copies=False)
