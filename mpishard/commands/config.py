@@ -438,8 +438,8 @@ def check(s: Settings, world: int) -> None:
     model_parallel = s.tp * s.pp > 1
     if s.strategy != "hybrid":
         if model_parallel:
-            raise UsageError(f"--tp {s.tp} --pp {s.pp} need --strategy hybrid ({s.strategy} "
-                             f"replicates the whole model on every rank)")
+            raise UsageError(f"--tp {s.tp} --pp {s.pp} need --strategy hybrid "
+                             f"({_whole_model(s.strategy)})")
         if s.micro_batches != 1:
             raise UsageError(f"--micro-batches is the pipeline's (--strategy hybrid); with "
                              f"{s.strategy} use --accumulation-steps {s.micro_batches}")
@@ -471,3 +471,12 @@ def check(s: Settings, world: int) -> None:
                          f"use a multiple of {parts}")
     if s.samples is not None and s.batch_size > s.samples:
         raise UsageError(f"--batch-size {s.batch_size} is larger than --samples {s.samples}")
+
+
+def _whole_model(strategy: str) -> str:
+    """Why ``strategy`` (a name of the registry) splits no layer, as its entry says."""
+    entry = STRATEGIES[strategy]
+    if entry.cost.sharded_params:
+        return (f"{strategy} shards the parameters over the data group but gathers every "
+                f"layer whole, so each rank runs the whole model")
+    return f"{strategy} holds the whole model on every rank"

@@ -120,7 +120,7 @@ class DataParallelCore(OptionsHome, Progress):
         topo = config.topology
         if topo.tp * topo.pp != 1 and not self._model_parallel:
             config.world.agree(
-                f"{self.public} replicates the whole model, but the layout has "
+                f"{self.public} runs every layer whole on every rank, but the layout has "
                 f"tensor_parallel_size={topo.tp} and pipeline_parallel_size={topo.pp}; "
                 f"use HybridShardedOptimizer for tensor or pipeline parallelism",
                 TopologyError)

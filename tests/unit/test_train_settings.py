@@ -32,6 +32,12 @@ def test_defaults_run_both_examples_and_flags_override_the_file(tmp_path):
     ({"strategy": "zero4"}, 4, "unknown strategy 'zero4': choose one of ddp, zero2, zero3, hybrid"),
     ({"strategy": "hybrid", "tp": 3}, 4, "impossible layout: tp 3 x pp 1 does not fit 4 rank(s)"),
     ({"tp": 2}, 4, "--tp 2 --pp 1 need --strategy hybrid"),
+    # Why, from the registry: ZeRO-3 replicates no parameter but splits no layer either.
+    ({"strategy": "ddp", "pp": 2}, 4,
+     "--tp 1 --pp 2 need --strategy hybrid (ddp holds the whole model on every rank)"),
+    ({"strategy": "zero3", "tp": 2}, 4,
+     "--tp 2 --pp 1 need --strategy hybrid (zero3 shards the parameters over the data group "
+     "but gathers every layer whole, so each rank runs the whole model)"),
     ({"example": "gpt", "batch_size": 30}, 4, "does not split across 4 data-parallel rank(s)"),
     ({"strategy": "hybrid", "pp": 4, "example": "gpt", "layers": 1}, 4, "the GPT has 3 layers"),
 ])
