@@ -143,7 +143,7 @@ def note_abort(message: str) -> None:
 
 def forget() -> None:
     """Remove this rank's records now (an exit that skips ``atexit``:
-    [`mpishard.comm.ulfm.leave`][mpishard.comm.ulfm.leave]). Local."""
+    [`mpishard.comm.ulfm.exit_now`][mpishard.comm.ulfm.exit_now]). Local."""
     _forget()
 
 

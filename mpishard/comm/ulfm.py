@@ -206,5 +206,5 @@ def exit_now(code: int = 0) -> None:
     os._exit(code)
 
 
-#: 0.5's name of `exit_now` (the faults guide's own loops call it), kept importable.
+#: 0.5's name of `exit_now`, kept importable (tests/faults' job scripts still call it).
 leave = exit_now

@@ -126,12 +126,12 @@ def run_given(given: dict[str, Any]) -> int:
 def _ended(comm: FlatComm, code: int, lost: bool) -> int:
     """``code``, or after a lost rank the end of the process with it (no
     ``MPI_Finalize``, which may wait for the dead rank:
-    [`mpishard.comm.ulfm.leave`][mpishard.comm.ulfm.leave])."""
+    [`mpishard.comm.ulfm.exit_now`][mpishard.comm.ulfm.exit_now])."""
     if lost:
         from ..comm import ulfm
 
         comm.barrier()   # every survivor has printed its part
-        ulfm.leave(code)
+        ulfm.exit_now(code)
     return code
 
 

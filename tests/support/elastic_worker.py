@@ -125,7 +125,7 @@ def main() -> None:
     if result.recoveries:   # lost a rank (ULFM): MPI_Finalize may wait for it forever
         from mpishard.comm import ulfm
 
-        ulfm.leave(code)
+        ulfm.exit_now(code)
     raise SystemExit(code)
 
 
