@@ -355,6 +355,15 @@ def _logical_parameters(config: Any, model: Any) -> int:
     return sum(len(r) for r in owned_ranges(model.layout, tensor_shards(model), where.tp))
 
 
+def _async_checkpoints(s: Settings) -> bool:
+    """``--async-checkpoints``, or its default: on where measured faster (DDP; the
+    one ZeRO-3 sample was slower, docs/guide/checkpoints.md). Pure."""
+    if s.async_checkpoints is not None:
+        return bool(s.async_checkpoints)
+    zero3 = (s.data_parallel if s.strategy == "hybrid" else s.strategy) == "zero3"
+    return not zero3
+
+
 def _checkpoints(run: Run, comm: FlatComm) -> None:
     """The run's checkpoint folder, and the resume from it. Collective over ``comm``."""
     from ..checkpoint import CheckpointManager, list_checkpoints, load_checkpoint
@@ -364,7 +373,7 @@ def _checkpoints(run: Run, comm: FlatComm) -> None:
     explicit = s.checkpoint_dir is not None
     folder = s.checkpoint_dir if explicit else os.path.join(s.run_dir, "checkpoints")
     run.manager = manager = CheckpointManager(folder, keep=s.keep,
-                                              async_=s.async_checkpoints)
+                                              async_=_async_checkpoints(s))
     path = None
     if s.resume is True:
         path = comm.bcast(manager.latest() if comm.rank == 0 else None, root=0)
