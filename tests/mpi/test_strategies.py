@@ -182,6 +182,10 @@ def test_dropout_split_invariant():
 def test_sub_communicator():
     """A simulation owns COMM_WORLD; training runs on each half of it."""
     world = MPI.COMM_WORLD
+    halves = {(world.size + 1) // 2, world.size // 2} - {0}
+    if any(8 % h for h in halves):     # every rank skips alike, before the Split
+        pytest.skip(f"its global batch of 8 rows does not split over halves of "
+                    f"{sorted(halves)} ranks (a world of {world.size})")
     half = world.Split(color=world.rank % 2, key=world.rank)
     try:
         data = make_data()
