@@ -27,6 +27,7 @@ from unequal import (
     MAX_NORM,
     ROWS,
     STEPS,
+    any_comm_fixture,  # noqa: F401  (the ``any_comm`` fixture)
     comm_fixture,  # noqa: F401  (the ``comm`` fixture)
     global_batch,
     my_rows,
@@ -320,17 +321,22 @@ DEEP = [5, 8, 8, 8, 8, 8, 3]
 
 @pytest.mark.parametrize("gathers", GATHERS)
 @pytest.mark.parametrize("overlap", [True, False])
-def test_rank_without_rows_joins_the_gathers_in_order(comm, gathers, overlap):
+def test_rank_without_rows_joins_the_gathers_in_order(any_comm, gathers, overlap):
     """A rank with no rows makes no pass but joins every gather and gradient
     reduction in the order the others' backward makes them (gathers and bucket
     reductions interleaved: all gathers first, then all reductions, deadlocked at
-    five layers). Under a timeout, so that a deadlock fails instead of hanging."""
+    five layers). Under a timeout, so that a deadlock fails instead of hanging.
+    At any world size of 2 or more: the pieces are cut here, all ROWS rows of
+    each step (the reference trains on all of them)."""
+    comm = any_comm
     if comm.size < 2:
         pytest.skip("a rank without rows needs 2 ranks or more")
     make = functools.partial(MLP, DEEP, activation="tanh", dtype=np.float64, seed=3)
     make_opt = OPTIMIZERS["sgd"]
-    # Rank 1 has no rows on even steps.
-    counts = [[24 // comm.size] * comm.size for _ in range(4)]
+    # Rank 1 has no rows on even steps; the first ROWS % size ranks one row more.
+    even = [ROWS // comm.size + (r < ROWS % comm.size) for r in range(comm.size)]
+    counts = [list(even) for _ in range(4)]
+    assert all(sum(c) == ROWS for c in counts)
     for step in (0, 2):
         counts[step][1], counts[step][0] = 0, counts[step][0] + counts[step][1]
     ref, ref_losses, _ = serial_reference(make, make_opt, steps=4)

@@ -16,8 +16,8 @@ from mpi4py import MPI
 from reference import train_serial
 from worlds import written_for
 
-__all__ = ["COUNTS", "MAX_NORM", "ROWS", "STEPS", "comm_fixture", "global_batch", "my_rows",
-           "serial_reference", "train"]
+__all__ = ["COUNTS", "MAX_NORM", "ROWS", "STEPS", "any_comm_fixture", "comm_fixture",
+           "global_batch", "my_rows", "serial_reference", "train"]
 
 ROWS = 24
 COUNTS = {1: [24], 2: [10, 14], 3: [7, 4, 13], 4: [9, 0, 8, 7]}
@@ -86,10 +86,21 @@ def _where(context, lo, a, b):
 @pytest.fixture(name="comm", params=["world", "three-of-four"])
 def comm_fixture(request):
     """The communicator a test trains on: the world, or 3 ranks of a 4-rank world
-    (the fourth rank skips)."""
+    (the fourth rank skips); at a world size COUNTS is written for."""
+    yield from _communicator(request.param, counts=True)
+
+
+@pytest.fixture(name="any_comm", params=["world", "three-of-four"])
+def any_comm_fixture(request):
+    """The same communicators at any world size, for a test that cuts its own pieces."""
+    yield from _communicator(request.param, counts=False)
+
+
+def _communicator(param, counts):
     world = MPI.COMM_WORLD
-    if request.param == "world":
-        written_for(COUNTS, world.size, "the unequal pieces (COUNTS)")
+    if param == "world":
+        if counts:
+            written_for(COUNTS, world.size, "the unequal pieces (COUNTS)")
         yield world
         return
     if world.size != 4:
