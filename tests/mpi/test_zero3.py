@@ -34,7 +34,7 @@ from unequal import (
     serial_reference,
     train,
 )
-from worlds import written_for
+from worlds import batch_splits, written_for
 
 from mpishard import ShardingConfiguration
 from mpishard.nn import GPT, MLP, FunctionModel, ParallelMLP
@@ -202,6 +202,7 @@ def test_gathered_parameters_and_unshard():
     ddp.verify_in_sync()
 
 
+@batch_splits(ROWS)
 def test_validation_loss_equals_zero2():
     """evaluate() runs the model's forward on every rank: gathered bucket by bucket."""
     x, y = global_batch(0, n=96)
