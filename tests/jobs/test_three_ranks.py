@@ -84,7 +84,8 @@ def test_three_ranks():
     """``tests/mpi/test_reproducible.py``'s training runs (``CASES3``) at 3 ranks: the
     same bits as one process."""
     t = mpi_test_module("test_reproducible")
-    job = mpirun(3, THREE_RANKS.format(tests=str(MPI_TESTS)), timeout=300)
+    job = mpirun(3, THREE_RANKS.format(tests=str(MPI_TESTS)), timeout=300,
+                 env={"PYTHONPATH": mpi_tests_path()})   # tests/support: worlds
     assert job.returncode == 0, job.output
     # Anywhere in a line, the JSON alone: another rank's terminal reset (ESC[0m,
     # no newline) may land before or after it (mpirun joins the ranks' output).
