@@ -92,12 +92,11 @@ from .write import (
     TEMP_MARK,
     Piece,
     _checksums,
-    _declarations,
     _fsync_folder,
-    _plan,
     _remove_quietly,
     _set_attrs,
     _with_order,
+    plan_datasets,
 )
 
 __all__ = [
@@ -334,23 +333,10 @@ def _start(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
            order_groups: tuple) -> _Pending:
     size = 1 if comm is None else comm.size
     rank = 0 if comm is None else comm.rank
-    mine = _declarations(tensors)
-    every = comm.allgather(mine) if size > 1 else [mine]
-    ordered, index, problem = _plan(final, tensors, pieces, every)
-    agree_error(comm, CheckpointError(problem) if problem else None)
-    counts = np.zeros(len(ordered), dtype=np.int64)
-    for p in pieces:
-        if problem is None and not p.data.flags.c_contiguous:
-            problem = f"{final}: a piece of {p.tensor.path} is not contiguous in memory"
-        counts[index[p.tensor.path]] += int(np.prod([s.stop - s.start for s in p.block]))
-    agree_error(comm, CheckpointError(problem) if problem else None)
-    if size > 1:
-        comm.Allreduce(counts, slot="checkpoint-counts")
-    bad = [(t.path, int(c), t.size) for t, c in zip(ordered, counts) if c != t.size]
-    if bad:
-        what = ", ".join(f"{p} ({c} of {n} elements)" for p, c, n in bad[:3])
-        raise CheckpointError(f"{final}: the pieces do not cover each dataset exactly once: "
-                              f"{what}{' ...' if len(bad) > 3 else ''}")
+    loose = next((p.tensor.path for p in pieces if not p.data.flags.c_contiguous), None)
+    ordered, index = plan_datasets(
+        final, comm, size, tensors, pieces,
+        f"{final}: a piece of {loose} is not contiguous in memory" if loose else None)
     ub = userblock_size_for(len(ordered))
     created = None
     if rank == 0:

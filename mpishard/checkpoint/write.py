@@ -57,6 +57,7 @@ __all__ = [
     "CHUNK_BYTES",
     "Piece",
     "TEMP_MARK",
+    "plan_datasets",
     "write_checkpoint_file",
     "write_image",
 ]
@@ -241,13 +242,17 @@ def write_checkpoint_file(path: str | os.PathLike, comm: FlatComm | None,
             private.free()
 
 
-def _write(final: str, comm: FlatComm | None, rank: int, size: int, mode: str,
-           tensors: Sequence[TensorRecord], pieces: Sequence[Piece],
-           attrs: dict[str, dict[str, Any]], durable: bool, order_groups: tuple) -> str:
-    # 1. the datasets, and whether the pieces fit them
+def plan_datasets(final: str, comm: FlatComm | None, size: int,
+                  tensors: Sequence[TensorRecord], pieces: Sequence[Piece],
+                  local_problem: str | None = None) -> tuple[list[TensorRecord], dict]:
+    """The file's datasets in order and their index by path, once every rank's
+    declarations agree and the pieces cover each dataset exactly once (a
+    ``CheckpointError`` on every rank otherwise, ``local_problem`` included).
+    Collective over ``comm``."""
     mine = _declarations(tensors)
     every = comm.allgather(mine) if size > 1 else [mine]
     ordered, index, problem = _plan(final, tensors, pieces, every)
+    problem = problem or local_problem
     agree_error(comm, CheckpointError(problem) if problem else None)
     counts = np.zeros(len(ordered), dtype=np.int64)
     for p in pieces:
@@ -259,6 +264,14 @@ def _write(final: str, comm: FlatComm | None, rank: int, size: int, mode: str,
         what = ", ".join(f"{p} ({c} of {n} elements)" for p, c, n in bad[:3])
         raise CheckpointError(f"{final}: the pieces do not cover each dataset exactly once: "
                               f"{what}{' ...' if len(bad) > 3 else ''}")
+    return ordered, index
+
+
+def _write(final: str, comm: FlatComm | None, rank: int, size: int, mode: str,
+           tensors: Sequence[TensorRecord], pieces: Sequence[Piece],
+           attrs: dict[str, dict[str, Any]], durable: bool, order_groups: tuple) -> str:
+    # 1. the datasets, and whether the pieces fit them
+    ordered, index = plan_datasets(final, comm, size, tensors, pieces)
     chunks = [c for p in pieces for c in _split(p, CHUNK_BYTES)]
 
     # 2. a temporary name, from rank 0, in a folder that exists
