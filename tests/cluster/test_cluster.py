@@ -92,7 +92,7 @@ def test_ranks_span_both_nodes_and_the_node_map_says_so(cluster):
 def test_round_robin_ranks_are_renumbered_node_by_node(cluster):
     """--map-by node puts ranks 0, 2 on node 0: the library's world is reordered
     so the tensor groups {0,1} {2,3} stay inside a node."""
-    oks, _, _ = run_case(cluster, "tp2-dp2", flags=("--map-by", "node"))
+    oks, _, _ = run_case(cluster, "tp2-dp2-ddp", flags=("--map-by", "node"))
     assert hosts_by_rank(oks) == [HOSTS[0], HOSTS[1], HOSTS[0], HOSTS[1]]
     assert all("'tp': 1, 'dp': 2, 'pp': 1" in detail for _, _, detail in oks), oks
 
