@@ -14,7 +14,7 @@ import functools
 import numpy as np
 import pytest
 from mpi4py import MPI
-from reference import sampler_batches, train_serial
+from reference import classification_data, sampler_batches, train_serial
 from worlds import batch_splits
 
 from mpishard import ShardingConfiguration
@@ -48,19 +48,11 @@ class ZeRO1Core(DataParallelCore):
         return GatheredAfterStep(model, self.dp, self.xp, state)
 
 
-def make_data(n=96, features=5, classes=3, seed=1):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, features))
-    w = rng.standard_normal((features, classes))
-    y = np.argmax(x @ w + 0.3 * rng.standard_normal((n, classes)), axis=1)
-    return x, y
-
-
 @batch_splits(16)
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("accumulation_steps", [1, 2])
 def test_zero1_from_the_parts_matches_serial(overlap, accumulation_steps):
-    data = make_data()
+    data = classification_data()
     make_model = functools.partial(MLP, SIZES, activation="tanh", dtype=np.float64, seed=7)
     serial = train_serial(make_model(), Adam(lr=3e-3),
                           sampler_batches(*data, 16, epochs=3), max_grad_norm=0.5)

@@ -14,7 +14,7 @@ import functools
 import numpy as np
 import pytest
 from mpi4py import MPI
-from reference import sampler_batches, train_serial
+from reference import classification_data, sampler_batches, train_serial
 from strategies import NAMES, SHARDED, build, whole
 from worlds import batch_splits
 
@@ -34,14 +34,6 @@ OPTIMIZERS = {
 }
 # 5*7+7 + 7*7+7 + 7*3+3 = 122 parameters: not a multiple of 4 (nor of 3).
 SIZES = [5, 7, 7, 3]
-
-
-def make_data(n=96, features=5, classes=3, seed=1):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, features))
-    w = rng.standard_normal((features, classes))
-    y = np.argmax(x @ w + 0.3 * rng.standard_normal((n, classes)), axis=1)
-    return x, y
 
 
 def serial_reference(make_model, make_opt, data, batch_size, epochs, seed=0,
@@ -64,7 +56,7 @@ def assert_close(actual, expected, rtol, what="parameters"):
 @pytest.mark.parametrize("strategy", NAMES)
 @pytest.mark.parametrize("opt_name", OPTIMIZERS)
 def test_matches_serial_float64(strategy, opt_name):
-    data = make_data()
+    data = classification_data()
     make_model = functools.partial(MLP, SIZES, activation="tanh", dtype=np.float64, seed=7)
     ref, ref_losses = serial_reference(make_model, OPTIMIZERS[opt_name], data, 16, epochs=4)
     model = make_model()
@@ -83,7 +75,7 @@ def test_matches_serial_float64(strategy, opt_name):
 @batch_splits(32)
 @pytest.mark.parametrize("strategy", NAMES)
 def test_matches_serial_float32(strategy):
-    data = make_data()
+    data = classification_data()
     make_model = functools.partial(MLP, SIZES, activation="relu", dtype=np.float32, seed=3)
     make_opt = OPTIMIZERS["adam"]
     ref, _ = serial_reference(make_model, make_opt, data, 32, epochs=1)
@@ -98,7 +90,7 @@ def test_matches_serial_float32(strategy):
 @pytest.mark.parametrize("method", ["reduce_scatter", "allreduce"])
 def test_accumulation_clipping_schedule(strategy, method):
     """Micro-batches, global-norm clipping and a cosine schedule together."""
-    data = make_data(n=128)
+    data = classification_data(n=128)
     make_model = functools.partial(MLP, SIZES, activation="gelu", dtype=np.float64, seed=5,
                                    layer_norm=True)
     make_opt = OPTIMIZERS["adamw"]
@@ -120,7 +112,7 @@ def test_accumulation_clipping_schedule(strategy, method):
 @batch_splits(32, micro_batches=2)   # two halves of each rank's rows
 def test_ddp_no_sync_equals_accumulation():
     comm = MPI.COMM_WORLD
-    data = make_data(n=64)
+    data = classification_data(n=64)
     make_model = functools.partial(MLP, SIZES, dtype=np.float64, seed=2)
     ref, _ = serial_reference(make_model, OPTIMIZERS["sgd-nesterov"], data, 32, epochs=1)
     model = make_model()
@@ -169,7 +161,7 @@ def test_function_model(strategy):
 @batch_splits(16, micro_batches=2)
 def test_dropout_split_invariant():
     """Dropout masks are drawn for the global batch, so any split gives the same run."""
-    data = make_data()
+    data = classification_data()
     make_model = functools.partial(MLP, SIZES, dtype=np.float64, seed=9, dropout=0.3)
     ref, _ = serial_reference(make_model, OPTIMIZERS["adam"], data, 16, epochs=2)
     model = make_model()
@@ -188,7 +180,7 @@ def test_sub_communicator():
                     f"{sorted(halves)} ranks (a world of {world.size})")
     half = world.Split(color=world.rank % 2, key=world.rank)
     try:
-        data = make_data()
+        data = classification_data()
         make_model = functools.partial(MLP, SIZES, dtype=np.float64, seed=1)
         ref, _ = serial_reference(make_model, OPTIMIZERS["adam"], data, 8, epochs=1)
         model = make_model()
@@ -234,7 +226,7 @@ def test_bad_batch_size_raises_everywhere():
     comm = MPI.COMM_WORLD
     dist = DDPOptimizer(Adam(), ShardingConfiguration(comm), accumulation_steps=3)
     with pytest.raises(ValueError, match="does not split across"):
-        dist.optimize(MLP(SIZES), make_data(), epochs=1, batch_size=3 * comm.size + 1)
+        dist.optimize(MLP(SIZES), classification_data(), epochs=1, batch_size=3 * comm.size + 1)
 
 
 @pytest.mark.mpi(min_size=2)   # two ranks to differ
@@ -289,7 +281,7 @@ def test_verify_in_sync_detects_divergence():
 def test_zero2_refuses_no_sync():
     model = MLP(SIZES)
     zero = ZeRO2Optimizer(Adam(), ShardingConfiguration(MPI.COMM_WORLD), model=model)
-    x, y = make_data(n=8)
+    x, y = classification_data(n=8)
     with pytest.raises(MpiShardError, match="no_sync"), zero.no_sync():
         zero.backward(x, y)
 
@@ -299,7 +291,7 @@ def test_zero2_refuses_no_sync():
 def test_a_model_moves_between_strategies(second):
     """One model trained by ZeRO-2 (which binds its gradients to bucket buffers),
     then by each strategy: the run equals one process doing the same."""
-    data = make_data()
+    data = classification_data()
     make_model = functools.partial(MLP, SIZES, activation="tanh", dtype=np.float64, seed=7)
     ref, ref_losses = serial_reference(make_model, lambda: SGD(lr=0.05), data, 16, epochs=2)
     model = make_model()

@@ -31,7 +31,8 @@ import numpy as np
 
 from mpishard.data import ShardedSampler
 
-__all__ = ["SerialRun", "assert_shards_match", "sampler_batches", "train_serial"]
+__all__ = ["SerialRun", "assert_shards_match", "classification_data", "sampler_batches",
+           "train_serial"]
 
 
 class SerialRun(NamedTuple):
@@ -45,6 +46,17 @@ class SerialRun(NamedTuple):
     def params(self) -> np.ndarray:
         """A copy of the trained parameters."""
         return self.model.params.copy()
+
+
+def classification_data(n: int = 96, features: int = 5, classes: int = 3,
+                        seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` rows of ``features`` normal inputs and the class (of ``classes``) a
+    noisy random linear map picks: the small problem the strategy tests share."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, features))
+    w = rng.standard_normal((features, classes))
+    y = np.argmax(x @ w + 0.3 * rng.standard_normal((n, classes)), axis=1)
+    return x, y
 
 
 def train_serial(model, optimizer, batches: Iterable[tuple[np.ndarray, np.ndarray]], *,
