@@ -1,5 +1,6 @@
-// A CPU stand-in for the CUDA built-ins the row kernels use: one std::thread per
-// CUDA thread, std::barrier for __syncthreads and for each warp's shuffles.
+// A CPU stand-in for the CUDA built-ins the row and attention kernels use: one
+// std::thread per CUDA thread, std::barrier for __syncthreads and for each warp's
+// shuffles and __syncwarp.
 #include <barrier>
 #include <cmath>
 #include <cstring>
@@ -18,6 +19,7 @@ static double shfl_slots[1024];
 #define __restrict__
 #define __shared__ static   // one block runs at a time: a static is its shared memory
 inline void __syncthreads() { block_bar->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { warp_bars[threadIdx.x >> 5]->arrive_and_wait(); }
 template <typename T> T __shfl_xor_sync(unsigned, T v, int o) {
     int t = threadIdx.x, w = t >> 5;
     warp_bars[w]->arrive_and_wait();
