@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import FlatComm
+from ..kernels.attention import attention_fused_on, causal_attention, causal_attention_backward
 from ..kernels.nn import causal_softmax, causal_softmax_backward
 from .base import BatchContext, Layer, finish_gradient, store_gradient
 from .embedding import sequence_shape
@@ -37,6 +38,12 @@ class CausalSelfAttention(Layer):
     partial output of ``wo``, before ``bo`` is added) and one in backward (the
     sum of the input gradients of the three projections; started before their
     weight gradients are computed, waited for after).
+
+    On CuPy arrays with the fused kernels on, the scores, softmax and weighted sum
+    are one kernel pair ([`causal_attention`][mpishard.kernels.attention.causal_attention]),
+    reading the projections token-major and never storing the ``(t, t)``
+    probabilities; elsewhere (NumPy always) they are cuBLAS/NumPy products around
+    [`causal_softmax`][mpishard.kernels.nn.causal_softmax].
 
     Initialisation (GPT-2): weights normal with deviation ``init_std``, ``wo``
     with ``out_std``, biases zero; drawn at the full logical shapes in the order
@@ -102,6 +109,8 @@ class CausalSelfAttention(Layer):
         b, t = sequence_shape(self, in_shape, self.d_model)
         xp, dt = self.xp, self.dtype
         n, d, w = b * t, self.d_model, self.local_width
+        if attention_fused_on(xp, dt, self.head_dim):
+            return self._allocate_fused(b, t, train, need_dx)
         heads = (b, self.local_heads, t, self.head_dim)
         buf = {
             "y": xp.empty((b, t, d), dtype=dt),
@@ -124,6 +133,24 @@ class CausalSelfAttention(Layer):
                 buf["tmp"] = xp.empty((n, d), dtype=dt)
         return buf
 
+    def _allocate_fused(self, b: int, t: int, train: bool, need_dx: bool) -> dict[str, Any]:
+        """The fused kernels' buffers: token-major projections, no ``(t, t)`` arrays;
+        ``lse`` marks the layout (the forward's log-sum-exp by row)."""
+        xp, dt = self.xp, self.dtype
+        n, d, w = b * t, self.d_model, self.local_width
+        buf = {"y": xp.empty((b, t, d), dtype=dt),
+               "lse": xp.empty((b, self.local_heads, t), dtype=dt)}
+        for name in ("q", "k", "v", "ctx"):
+            buf[name] = xp.empty((n, w), dtype=dt)
+        if train:
+            buf["delta"] = xp.empty((b, self.local_heads, t), dtype=dt)
+            for name in ("proj", "dq", "dk", "dv"):
+                buf[name] = xp.empty((n, w), dtype=dt)
+            if need_dx:
+                buf["dx"] = xp.empty((b, t, d), dtype=dt)
+                buf["tmp"] = xp.empty((n, d), dtype=dt)
+        return buf
+
     def _heads(self, a: Any, b: int, t: int) -> Any:
         """A token-major ``(n, width)`` array as a ``(b, heads, t, d_head)`` view."""
         return a.reshape(b, t, self.local_heads, self.head_dim).transpose(0, 2, 1, 3)
@@ -132,23 +159,18 @@ class CausalSelfAttention(Layer):
         """A ``(n, width)`` buffer viewed as ``(b, heads, t, d_head)`` *memory order*."""
         return a.reshape(b, self.local_heads, t, self.head_dim)
 
+    def _split(self, a: Any, b: int, t: int) -> Any:
+        """A token-major ``(n, width)`` array as ``(b, t, heads, d_head)`` (a view)."""
+        return a.reshape(b, t, self.local_heads, self.head_dim)
+
     def forward(self, x: Any, buf: dict[str, Any], ctx: BatchContext | None) -> Any:
         xp, prm = self.xp, self.params
         b, t, d = x.shape
         x2 = x.reshape(b * t, d)
-        proj, p, rows = buf["proj"], buf["p"], buf["rows"]
-        for (wname, bname), dst in zip(_PROJECTIONS, ("q", "k", "v")):
-            xp.matmul(x2, prm[wname], out=proj)
-            proj += prm[bname]
-            buf[dst][...] = self._heads(proj, b, t)
-        # Scores, causal mask, softmax shifted by the row maximum (the diagonal
-        # is never masked, so the maximum is finite).
-        xp.matmul(buf["q"], buf["k"].transpose(0, 1, 3, 2), out=p)
-        causal_softmax(p, 1.0 / math.sqrt(self.head_dim), buf["mask"], rows)
-        # Heads' outputs (into the free scratch), back to token-major, then wo.
-        out_heads = self._tokens(proj, b, t)
-        xp.matmul(p, buf["v"], out=out_heads)
-        self._heads(buf["ctx"], b, t)[...] = out_heads
+        if "lse" in buf:
+            self._attend_fused(x2, buf, b, t)
+        else:
+            self._attend(x2, buf, b, t)
         y = buf["y"]
         y2 = y.reshape(b * t, d)
         xp.matmul(buf["ctx"], prm["wo"], out=y2)
@@ -158,31 +180,47 @@ class CausalSelfAttention(Layer):
         buf["x"] = x2
         return y
 
+    def _attend(self, x2: Any, buf: dict[str, Any], b: int, t: int) -> None:
+        """The heads' outputs into ``buf["ctx"]`` (token-major), keeping the
+        probabilities for the backward."""
+        xp, prm = self.xp, self.params
+        proj, p, rows = buf["proj"], buf["p"], buf["rows"]
+        for (wname, bname), dst in zip(_PROJECTIONS, ("q", "k", "v")):
+            xp.matmul(x2, prm[wname], out=proj)
+            proj += prm[bname]
+            buf[dst][...] = self._heads(proj, b, t)
+        # Scores, causal mask, softmax shifted by the row maximum (the diagonal
+        # is never masked, so the maximum is finite).
+        xp.matmul(buf["q"], buf["k"].transpose(0, 1, 3, 2), out=p)
+        causal_softmax(p, 1.0 / math.sqrt(self.head_dim), buf["mask"], rows)
+        # Heads' outputs (into the free scratch), back to token-major.
+        out_heads = self._tokens(proj, b, t)
+        xp.matmul(p, buf["v"], out=out_heads)
+        self._heads(buf["ctx"], b, t)[...] = out_heads
+
+    def _attend_fused(self, x2: Any, buf: dict[str, Any], b: int, t: int) -> None:
+        """As `_attend`, by the fused kernel on the token-major projections."""
+        xp, prm = self.xp, self.params
+        for (wname, bname), dst in zip(_PROJECTIONS, ("q", "k", "v")):
+            xp.matmul(x2, prm[wname], out=buf[dst])
+            buf[dst] += prm[bname]
+        q, k, v, out = (self._split(buf[name], b, t) for name in ("q", "k", "v", "ctx"))
+        causal_attention(q, k, v, 1.0 / math.sqrt(self.head_dim), out, buf["lse"])
+
     def backward_params(self, dy: Any, buf: dict[str, Any], grads: dict[str, Any],
                         scratch: dict[str, Any] | None) -> None:
         # Everything, the input gradient included (kept in buf["dx"] for
         # backward_input): its Allreduce is started before the projections'
-        # weight gradients are computed. The probabilities buf["p"] are consumed.
+        # weight gradients are computed.
         xp, prm = self.xp, self.params
         b, t, d = dy.shape
         dy2 = dy.reshape(b * t, d)
-        proj, p, dp, rows = buf["proj"], buf["p"], buf["dp"], buf["rows"]
-        dheads = buf["dheads"]
         self._linear_grads(buf["ctx"], dy2, grads, scratch, "wo", "bo")
-        xp.matmul(dy2, prm["wo"].T, out=proj)           # d ctx
-        dheads[...] = self._heads(proj, b, t)           # d out, head-major
-        scratch_heads = self._tokens(proj, b, t)
-        # dv = p^T @ dout
-        xp.matmul(p.transpose(0, 1, 3, 2), dheads, out=scratch_heads)
-        self._heads(buf["dv"], b, t)[...] = scratch_heads
-        # dp = dout @ v^T; softmax backward: ds = p * (dp - sum(dp * p)), scaled.
-        xp.matmul(dheads, buf["v"].transpose(0, 1, 3, 2), out=dp)
-        causal_softmax_backward(dp, p, 1.0 / math.sqrt(self.head_dim), rows)
-        # dq = ds @ k, dk = ds^T @ q
-        xp.matmul(dp, buf["k"], out=scratch_heads)
-        self._heads(buf["dq"], b, t)[...] = scratch_heads
-        xp.matmul(dp.transpose(0, 1, 3, 2), buf["q"], out=scratch_heads)
-        self._heads(buf["dk"], b, t)[...] = scratch_heads
+        xp.matmul(dy2, prm["wo"].T, out=buf["proj"])    # d ctx, token-major
+        if "lse" in buf:
+            self._attend_backward_fused(buf, b, t)
+        else:
+            self._attend_backward(buf, b, t)
         pending = None
         if "dx" in buf:
             dx, tmp = buf["dx"].reshape(b * t, d), buf["tmp"]
@@ -196,6 +234,34 @@ class CausalSelfAttention(Layer):
             self._linear_grads(buf["x"], buf[gname], grads, scratch, wname, bname)
         if pending is not None:
             pending.wait()
+
+    def _attend_backward(self, buf: dict[str, Any], b: int, t: int) -> None:
+        """``buf["dq"]``, ``["dk"]``, ``["dv"]`` (token-major) from d ctx in
+        ``buf["proj"]``; the probabilities ``buf["p"]`` are consumed."""
+        xp = self.xp
+        proj, p, dp, rows = buf["proj"], buf["p"], buf["dp"], buf["rows"]
+        dheads = buf["dheads"]
+        dheads[...] = self._heads(proj, b, t)           # d out, head-major
+        scratch_heads = self._tokens(proj, b, t)
+        # dv = p^T @ dout
+        xp.matmul(p.transpose(0, 1, 3, 2), dheads, out=scratch_heads)
+        self._heads(buf["dv"], b, t)[...] = scratch_heads
+        # dp = dout @ v^T; softmax backward: ds = p * (dp - sum(dp * p)), scaled.
+        xp.matmul(dheads, buf["v"].transpose(0, 1, 3, 2), out=dp)
+        causal_softmax_backward(dp, p, 1.0 / math.sqrt(self.head_dim), rows)
+        # dq = ds @ k, dk = ds^T @ q
+        xp.matmul(dp, buf["k"], out=scratch_heads)
+        self._heads(buf["dq"], b, t)[...] = scratch_heads
+        xp.matmul(dp.transpose(0, 1, 3, 2), buf["q"], out=scratch_heads)
+        self._heads(buf["dk"], b, t)[...] = scratch_heads
+
+    def _attend_backward_fused(self, buf: dict[str, Any], b: int, t: int) -> None:
+        """As `_attend_backward`, by the fused kernels (probabilities recomputed)."""
+        q, k, v, out, dout, dq, dk, dv = (
+            self._split(buf[name], b, t)
+            for name in ("q", "k", "v", "ctx", "proj", "dq", "dk", "dv"))
+        causal_attention_backward(dout, q, k, v, out, buf["lse"], 1.0 / math.sqrt(self.head_dim),
+                                  dq, dk, dv, buf["delta"])
 
     def _linear_grads(self, x: Any, dy: Any, grads: dict[str, Any],
                       scratch: dict[str, Any] | None, wname: str, bname: str) -> None:
