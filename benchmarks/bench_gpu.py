@@ -8,12 +8,19 @@ Run under mpirun; prints one JSON line per measurement on rank 0::
 The two models of issue 23, float32, Adam (lr 1e-3): the MLP 1024-4096-4096-1024-10
 (ReLU, 25M parameters) at global batch 256, and the GPT (vocabulary 256, context
 256, d 512, 8 heads, 6 blocks, 19.3M parameters) at global batch 16. mpishard
-trains them with DDP and ZeRO-2, each with the layers' fused CUDA kernels off
-(``reference``: the NumPy twins' chain of CuPy calls) and on
-(``MPISHARD_GPU_KERNELS=1``); PyTorch eager (only with ``--torch``, on a world of
-one rank) trains the same model with the same math (``torch.optim.Adam``,
-foreach; the GPT's attention written out, and with
-``scaled_dot_product_attention`` as ``torch-sdpa``). The variants alternate,
+trains them with DDP and ZeRO-2 (``--strategies``: ZeRO-3 too), each with the
+layers' fused CUDA kernels off (``reference``: the NumPy twins' chain of CuPy
+calls) and on (``fused``: ``MPISHARD_GPU_KERNELS=1``, the fused attention
+included; ``fused-noattn``: the other kernels on, attention by cuBLAS products
+around the softmax kernel, ``MPISHARD_GPU_ATTENTION=0``); PyTorch eager (only
+with ``--torch``, on a world of one rank) trains the same model with the same
+math (``torch.optim.Adam``, foreach; the GPT's attention written out, and with
+``scaled_dot_product_attention`` as ``torch-sdpa``). ``--graphs`` (one rank)
+adds ``mpishard-graph``: the model's forward and backward replayed as a CUDA
+graph (``mpishard.kernels.cuda_step.StepGraph``, fused kernels on) and Adam's
+update after it, without a strategy; its line says whether the capture held
+(``graph_reason`` otherwise). ``--tf32`` runs every variant with TF32 products
+(mpishard's ``set_tf32``, PyTorch's ``allow_tf32``). The variants alternate,
 ``--rounds`` times, each timing ``--steps`` steps after ``--warmup``; a step ends
 when its loss is on the host. Reported: the minimum and median step time in ms
 over the rounds' means, and ``vs_torch``, mpishard's median over PyTorch eager's.
@@ -31,6 +38,8 @@ import sys
 import time
 
 MODELS = ("mlp", "gpt")
+STRATEGIES = ("ddp", "zero2", "zero3")
+KERNELS = ("reference", "fused", "fused-noattn")
 MLP_SIZES = [1024, 4096, 4096, 1024, 10]
 MLP_BATCH = 256
 GPT = dict(vocab=256, seq=256, d=512, heads=8, layers=6)
@@ -40,16 +49,20 @@ GPT_BATCH = 16
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt")
-    p.add_argument("--strategies", default="ddp,zero2", help="comma-separated: ddp, zero2")
+    p.add_argument("--strategies", default="ddp,zero2",
+                   help="comma-separated: " + ", ".join(STRATEGIES))
     p.add_argument("--kernels", default="reference,fused",
-                   help="comma-separated: reference, fused")
+                   help="comma-separated: " + ", ".join(KERNELS))
     p.add_argument("--torch", action="store_true", help="PyTorch eager too (1 rank only)")
+    p.add_argument("--graphs", action="store_true",
+                   help="the model's step replayed as a CUDA graph too (1 rank only)")
+    p.add_argument("--tf32", action="store_true", help="TF32 products in every variant")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
-    for name, allowed in (("models", MODELS), ("strategies", ("ddp", "zero2")),
-                          ("kernels", ("reference", "fused"))):
+    for name, allowed in (("models", MODELS), ("strategies", STRATEGIES),
+                          ("kernels", KERNELS)):
         chosen = [v for v in getattr(args, name).split(",") if v]
         bad = [v for v in chosen if v not in allowed]
         if bad or not chosen:
@@ -84,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     _, gpu = choose_gpu(world)
     if args.torch and world.size != 1:
         args.torch = False   # PyTorch eager is one process: measured in the 1-rank run
+    if args.graphs and world.size != 1:
+        args.graphs = False  # the graph step has no strategy: one process
+    tf32 = False
+    if args.tf32:
+        from mpishard.kernels.cuda_step import set_tf32
+
+        tf32 = set_tf32(cp, True)
+    reasons: dict[str, str | None] = {}
     rng = np.random.default_rng(0)
     data = {
         "mlp": (cp.asarray(rng.standard_normal((MLP_BATCH, MLP_SIZES[0]), dtype=np.float32)),
@@ -96,11 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.torch and model == "gpt":
             variants.append(("torch-sdpa", None, None))
         variants += [("mpishard", s, k) for s in args.strategies for k in args.kernels]
+        if args.graphs:
+            variants.append(("mpishard-graph", None, "fused"))
         times: dict[tuple, list[float]] = {v: [] for v in variants}
         for _ in range(args.rounds):   # alternate the variants, round after round
             for v in variants:
                 if v[0].startswith("torch"):
                     ms = torch_step_ms(model, data[model], args, sdpa=v[0] == "torch-sdpa")
+                elif v[0] == "mpishard-graph":
+                    ms, reasons[model] = graph_step_ms(model, data[model], args)
                 else:
                     ms = mpishard_step_ms(model, data[model], args, v[1], v[2], world,
                                           ShardingConfiguration)
@@ -111,13 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         for v, ms in times.items():
             record = {"bench": "gpu", "model": model, "impl": v[0], "strategy": v[1],
                       "kernels": v[2], "ranks": world.size if v[0] == "mpishard" else 1,
-                      "dtype": "float32", "device": gpu.name,
+                      "dtype": "float32", "tf32": tf32, "device": gpu.name,
                       "global_batch": MLP_BATCH if model == "mlp" else GPT_BATCH,
                       "steps": args.steps, "rounds": args.rounds,
                       "step_ms_min": round(min(ms), 3), "step_ms_median":
                       round(statistics.median(ms), 3)}
-            if torch_median and v[0] == "mpishard":
+            if torch_median and v[0].startswith("mpishard"):
                 record["vs_torch"] = round(statistics.median(ms) / torch_median, 3)
+            if v[0] == "mpishard-graph":
+                record["graph_captured"] = reasons[model] is None
+                record["graph_reason"] = reasons[model]
             if world.rank == 0:
                 print(json.dumps(record), flush=True)
     return 0
@@ -142,19 +170,14 @@ def mpishard_step_ms(model_name, data, args, strategy, kernels, world, Config) -
     import cupy as cp
     import numpy as np
 
-    from mpishard.nn import GPT as GPTModel
-    from mpishard.nn import MLP
     from mpishard.optim import Adam
-    from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer
+    from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer, ZeRO3Optimizer
 
-    os.environ["MPISHARD_GPU_KERNELS"] = "1" if kernels == "fused" else "0"
+    os.environ["MPISHARD_GPU_KERNELS"] = "0" if kernels == "reference" else "1"
+    os.environ["MPISHARD_GPU_ATTENTION"] = "0" if kernels == "fused-noattn" else "1"
     config = Config(world.comm)
-    if model_name == "mlp":
-        model = MLP(MLP_SIZES, activation="relu", dtype=np.float32, xp=cp, seed=1)
-    else:
-        model = GPTModel(GPT["vocab"], GPT["seq"], GPT["d"], GPT["heads"], GPT["layers"],
-                         dtype=np.float32, xp=cp, seed=1)
-    cls = DDPOptimizer if strategy == "ddp" else ZeRO2Optimizer
+    model = build_model(model_name, cp, np)
+    cls = {"ddp": DDPOptimizer, "zero2": ZeRO2Optimizer, "zero3": ZeRO3Optimizer}[strategy]
     opt = cls(Adam(lr=1e-3), config, model=model)
     x, y = data
     rows = len(x)
@@ -176,6 +199,57 @@ def mpishard_step_ms(model_name, data, args, strategy, kernels, world, Config) -
     seconds = world.allreduce(seconds, op="max")
     config.free()
     return seconds * 1e3
+
+
+def build_model(model_name, cp, np):
+    """The benchmark's MLP or GPT on the GPU, float32, seed 1."""
+    from mpishard.nn import GPT as GPTModel
+    from mpishard.nn import MLP
+
+    if model_name == "mlp":
+        return MLP(MLP_SIZES, activation="relu", dtype=np.float32, xp=cp, seed=1)
+    return GPTModel(GPT["vocab"], GPT["seq"], GPT["d"], GPT["heads"], GPT["layers"],
+                    dtype=np.float32, xp=cp, seed=1)
+
+
+def graph_step_ms(model_name, data, args) -> tuple[float, str | None]:
+    """Mean ms of a step whose forward and backward replay as a CUDA graph (fused
+    kernels on), then Adam's update; the step ends when its loss is on the host.
+    Also the reason the capture failed (None when it held)."""
+    import cupy as cp
+    import numpy as np
+
+    from mpishard.kernels.cuda_step import StepGraph
+    from mpishard.optim import Adam
+
+    os.environ["MPISHARD_GPU_KERNELS"] = os.environ["MPISHARD_GPU_ATTENTION"] = "1"
+    model = build_model(model_name, cp, np)
+    x, y = data
+    adam = Adam(lr=1e-3)
+    state = adam.init_state(model.params.size, np.float32, cp)
+    loss = [None]
+
+    def forward_backward() -> None:
+        model.forward_stage(x, 0)
+        loss[0] = model._loss(y, 0)     # a device value: no host read in the graph
+        model.backward_stage(None, 0)
+
+    graph = StepGraph(forward_backward, cp, warmup=2)
+    count = [0]
+
+    def step() -> None:
+        count[0] += 1
+        graph()
+        adam.update(model.params, model.grads, state, count[0], 1e-3)
+        float(loss[0])
+
+    for _ in range(args.warmup + 1):    # at least one call past the capture
+        step()
+    cp.cuda.get_current_stream().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    return (time.perf_counter() - t0) / args.steps * 1e3, graph.reason
 
 
 def torch_step_ms(model_name, data, args, sdpa: bool = False) -> float:
@@ -202,6 +276,7 @@ def torch_step_ms(model_name, data, args, sdpa: bool = False) -> float:
         def loss_fn():
             logits = net(x)
             return F.cross_entropy(logits.reshape(-1, GPT["vocab"]), y.reshape(-1))
+    torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
 
     def step() -> None:

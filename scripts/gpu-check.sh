@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check of issue 23, as one command on a bare GPU machine:
+# The GPU check of issues 23 and 33, as one command on a bare GPU machine:
 #
-#   bash scripts/gpu-check.sh            # everything (about 5 minutes on an H100)
+#   bash scripts/gpu-check.sh            # everything (about 7 minutes on an H100)
 #   bash scripts/gpu-check.sh --no-bench # the tests and the job only
 #   bash scripts/gpu-check.sh --bench-only
 #   bash scripts/gpu-check.sh --kernels 1 # the tests with the fused kernels on only
@@ -17,13 +17,19 @@
 # --kernels names); the tests marked gpu that start their own jobs; `mpishard
 # train --device cuda` on 2 ranks (both examples, a few steps);
 # benchmarks/bench_reproducible.py --device cuda (reproducible mode against the
-# default step) at 1 and 2 ranks, and benchmarks/bench_gpu.py against PyTorch
-# eager at 1 and 2 ranks (their own JSON lines). Logs go to
+# default step) at 1 and 2 ranks; benchmarks/bench_gpu_attention.py (the fused
+# attention against the unfused path, PyTorch's SDPA and the NumPy twin);
+# benchmarks/bench_gpu.py against PyTorch eager at 1 rank (DDP, ZeRO-2 and
+# ZeRO-3; kernels off, on, on without the fused attention; the step replayed as
+# a CUDA graph), once more with TF32 products, and at 2 ranks (their own JSON
+# lines). The tests marked gpu include the fused attention's
+# (tests/unit/test_kernels_attention.py: kernels against the twin, the GPT with
+# and without it, CUDA-graph replay, TF32) and ZeRO-3's on CuPy. Logs go to
 # $GPU_CHECK_LOGS (default /tmp/mpishard-gpu-check). Exit code: 0 when every
 # check passed, 1 when one failed, 2 for bad arguments, 3 when no GPU is seen.
 set -uo pipefail
 
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^set -uo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
 tests=1 bench=1 kernel_modes="0 1"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -103,6 +109,17 @@ export OMPI_MCA_btl=${OMPI_MCA_btl:-self,sm,tcp} MPISHARD_MPIRUN_FLAGS="--oversu
 mpirun=(mpirun --oversubscribe)
 json mpi 1 0 "$(mpirun --version 2>&1 | head -n 1); $("$py" -c 'import mpi4py; print("mpi4py", mpi4py.__version__)')"
 
+bench_line() {  # bench_line NAME SECONDS LOGBASE COMMAND...: its JSON lines, or one saying it failed
+  local name=$1 limit=$2 base=$3; shift 3
+  local t0
+  t0=$(date +%s)
+  timeout "$limit" "$@" 2>"$base.err" | tee "$base.jsonl"
+  if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+    failed=1
+    json "$name" 0 $(( $(date +%s) - t0 )) "see $base.err"
+  fi
+}
+
 run_check() {  # run_check NAME LOG COMMAND...: one JSON line from pytest's summary or the status
   local name=$1 log=$2; shift 2
   local t0 rc summary
@@ -153,10 +170,19 @@ if [ "$bench" = 1 ]; then
       || { failed=1; json "bench-reproducible-$tag" 0 $(( $(date +%s) - t0 )) \
       "see $logs/bench-repro-$tag.err"; }
   done
-  t0=$(date +%s)
-  timeout 240 "${mpirun[@]}" -n 1 "$py" benchmarks/bench_gpu.py --torch 2>"$logs/bench-1.err" \
-    | tee "$logs/bench-1.jsonl" || { failed=1; json bench-1-rank 0 $(( $(date +%s) - t0 )) \
-    "see $logs/bench-1.err"; }
+  # The fused attention alone (issue 33): time against the unfused path and
+  # PyTorch's SDPA, error against the NumPy twin. One process, no MPI.
+  bench_line bench-gpu-attention 150 "$logs/bench-attention" \
+    "$py" benchmarks/bench_gpu_attention.py --torch
+  # The steps against PyTorch eager at 1 rank: the GPT with the fused attention
+  # on and off and as a CUDA graph, ZeRO-3 beside DDP and ZeRO-2; then with TF32.
+  bench_line bench-1-rank-gpt 240 "$logs/bench-1-gpt" "${mpirun[@]}" -n 1 "$py" \
+    benchmarks/bench_gpu.py --torch --graphs --models gpt --strategies ddp,zero2,zero3 \
+    --kernels reference,fused,fused-noattn
+  bench_line bench-1-rank-mlp 150 "$logs/bench-1-mlp" "${mpirun[@]}" -n 1 "$py" \
+    benchmarks/bench_gpu.py --torch --graphs --models mlp --strategies ddp,zero2,zero3
+  bench_line bench-1-rank-tf32 120 "$logs/bench-1-tf32" "${mpirun[@]}" -n 1 "$py" \
+    benchmarks/bench_gpu.py --torch --graphs --tf32 --strategies ddp --kernels fused
   t0=$(date +%s)
   timeout 180 "${mpirun[@]}" -n 2 "$py" benchmarks/bench_gpu.py 2>"$logs/bench-2.err" \
     | tee "$logs/bench-2.jsonl" || { failed=1; json bench-2-ranks 0 $(( $(date +%s) - t0 )) \

@@ -15,13 +15,17 @@ has run on a GPU yet (scripts/gpu-check.sh runs them).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import mpishard.nn.attention as layer_module
-from mpishard.backend import to_numpy
+from mpishard.backend import cupy_available, to_numpy
 from mpishard.kernels import attention as att
 from mpishard.kernels.cuda_step import StepGraph, set_tf32, tf32_enabled
 from mpishard.nn import GPT
@@ -136,6 +140,16 @@ def test_step_graph_on_numpy_runs_the_function_and_tf32_is_off():
     assert set_tf32(np, True) is False and tf32_enabled(np) is False
     with pytest.raises(ValueError, match="warmup of at least 1 call, got 0"):
         StepGraph(lambda: None, np, warmup=0)
+
+
+@pytest.mark.skipif(cupy_available(), reason="a GPU is here: the benchmark runs for real")
+def test_attention_benchmark_without_a_gpu_says_so():
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gpu_attention.py"
+    proc = subprocess.run([sys.executable, str(bench)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    record = json.loads(proc.stdout)
+    assert record["ok"] is False and record["reason"].startswith("no GPU: ")
 
 
 # --- on a GPU -----------------------------------------------------------------------------
