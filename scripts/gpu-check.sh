@@ -82,6 +82,12 @@ json gpu 1 0 "$gpu"
 
 # --- MPI: the base environment's, or the wheels of .whl/ in a virtual environment -----
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# A CUDA-aware MPI built by hand ($GPU_CHECK_CUDA_MPI: its install prefix, with an
+# mpi4py built against it on the Python path; docs/guide/gpus.md) goes first.
+if [ -n "${GPU_CHECK_CUDA_MPI:-}" ]; then
+  export PATH="$GPU_CHECK_CUDA_MPI/bin:$PATH"
+  export LD_LIBRARY_PATH="$GPU_CHECK_CUDA_MPI/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 if ! command -v mpirun >/dev/null || ! "$py" -c "import mpi4py.MPI, pytest_mpi" 2>/dev/null; then
   t0=$(date +%s)
   if [ ! -x "$venv/bin/mpirun" ]; then
@@ -108,6 +114,9 @@ export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 export OMPI_MCA_btl=${OMPI_MCA_btl:-self,sm,tcp} MPISHARD_MPIRUN_FLAGS="--oversubscribe"
 mpirun=(mpirun --oversubscribe)
 json mpi 1 0 "$(mpirun --version 2>&1 | head -n 1); $("$py" -c 'import mpi4py; print("mpi4py", mpi4py.__version__)')"
+# Whether device buffers go to MPI directly (mpishard's own test of the library).
+json cuda-aware-mpi 1 0 "$("$py" -c 'from mpishard.comm.cuda import cuda_aware_reason
+aware, why = cuda_aware_reason(); print(("yes: " if aware else "no: ") + why)' 2>&1 | tail -n 1)"
 
 bench_line() {  # bench_line NAME SECONDS LOGBASE COMMAND...: its JSON lines, or one saying it failed
   local name=$1 limit=$2 base=$3; shift 3

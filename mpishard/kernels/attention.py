@@ -43,6 +43,7 @@ __all__ = [
     "attention_fused_on",
     "causal_attention",
     "causal_attention_backward",
+    "kernel_source",
     "rows_per_warp",
 ]
 

@@ -43,7 +43,7 @@ class CausalSelfAttention(Layer):
     are one kernel pair ([`causal_attention`][mpishard.kernels.attention.causal_attention]),
     reading the projections token-major and never storing the ``(t, t)``
     probabilities; elsewhere (NumPy always) they are cuBLAS/NumPy products around
-    [`causal_softmax`][mpishard.kernels.nn.causal_softmax].
+    `mpishard.kernels.nn.causal_softmax`.
 
     Initialisation (GPT-2): weights normal with deviation ``init_std``, ``wo``
     with ``out_std``, biases zero; drawn at the full logical shapes in the order
