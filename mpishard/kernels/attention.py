@@ -268,31 +268,33 @@ extern "C" __global__ void ms_attention_fwd(
         }
         __syncthreads();
         const int key = k0 + lane;
+        T s[RPW];                       // the warp's rows' scores for this lane's key
+        for (int r = 0; r < RPW; ++r) s[r] = 0;
+        for (int d = 0; d < HD; ++d) {
+            const T kd = sk[lane][d];   // read once for the RPW rows
+            for (int r = 0; r < RPW; ++r) s[r] += sq[warp * RPW + r][d] * kd;
+        }
         for (int r = 0; r < RPW; ++r) {
             const int row = warp * RPW + r, i = clamp_row(q0 + row, t);
-            T s = 0;
-            for (int d = 0; d < HD; ++d) s += sq[row][d] * sk[lane][d];
-            s *= scale;
+            const T sr = s[r] * scale;
             const bool seen = key <= i;
             // Key 0 is seen by every row: the maximum is finite from the first tile.
-            const T mt = warp_max(seen ? s : ms_ninf(s));
+            const T mt = warp_max(seen ? sr : ms_ninf(sr));
             const T mn = mt > m[r] ? mt : m[r];
             const T alpha = ms_exp(m[r] - mn);
-            const T p = seen ? ms_exp(s - mn) : (T)0;
+            const T p = seen ? ms_exp(sr - mn) : (T)0;
             l[r] = l[r] * alpha + p;               // this lane's part of the row's sum
             for (int c = 0; c < DW; ++c) acc[r][c] *= alpha;
             m[r] = mn;
             sp[row][lane] = p;
         }
         __syncwarp();
-        for (int r = 0; r < RPW; ++r) {
-            const int row = warp * RPW + r;
-            for (int j = 0; j < TILE; ++j) {
-                const T p = sp[row][j];
-                for (int c = 0; c < DW; ++c) {
-                    const int d = lane + 32 * c;
-                    if (d < HD) acc[r][c] += p * sv[j][d];
-                }
+        for (int j = 0; j < TILE; ++j) {
+            for (int c = 0; c < DW; ++c) {
+                const int d = lane + 32 * c;
+                if (d >= HD) continue;
+                const T vd = sv[j][d];
+                for (int r = 0; r < RPW; ++r) acc[r][c] += sp[warp * RPW + r][j] * vd;
             }
         }
     }
@@ -355,25 +357,27 @@ extern "C" __global__ void ms_attention_bwd_dq(
         }
         __syncthreads();
         const int key = k0 + lane;
+        T s[RPW], dp[RPW];
+        for (int r = 0; r < RPW; ++r) s[r] = dp[r] = 0;
+        for (int d = 0; d < HD; ++d) {
+            const T kd = sk[lane][d], vd = sv[lane][d];
+            for (int r = 0; r < RPW; ++r) {
+                s[r] += sq[warp * RPW + r][d] * kd;
+                dp[r] += sdo[warp * RPW + r][d] * vd;
+            }
+        }
         for (int r = 0; r < RPW; ++r) {
             const int row = warp * RPW + r, i = clamp_row(q0 + row, t);
-            T s = 0, dp = 0;
-            for (int d = 0; d < HD; ++d) {
-                s += sq[row][d] * sk[lane][d];
-                dp += sdo[row][d] * sv[lane][d];
-            }
-            const T p = key <= i ? ms_exp(s * scale - lrow[r]) : (T)0;
-            sds[row][lane] = p * (dp - drow[r]);
+            const T p = key <= i ? ms_exp(s[r] * scale - lrow[r]) : (T)0;
+            sds[row][lane] = p * (dp[r] - drow[r]);
         }
         __syncwarp();
-        for (int r = 0; r < RPW; ++r) {
-            const int row = warp * RPW + r;
-            for (int j = 0; j < TILE; ++j) {
-                const T ds = sds[row][j];
-                for (int c = 0; c < DW; ++c) {
-                    const int d = lane + 32 * c;
-                    if (d < HD) acc[r][c] += ds * sk[j][d];
-                }
+        for (int j = 0; j < TILE; ++j) {
+            for (int c = 0; c < DW; ++c) {
+                const int d = lane + 32 * c;
+                if (d >= HD) continue;
+                const T kd = sk[j][d];
+                for (int r = 0; r < RPW; ++r) acc[r][c] += sds[warp * RPW + r][j] * kd;
             }
         }
     }
@@ -430,28 +434,30 @@ extern "C" __global__ void ms_attention_bwd_dkdv(
         }
         __syncthreads();
         const int query = i0 + lane;
+        T s[RPW], dp[RPW];
+        for (int r = 0; r < RPW; ++r) s[r] = dp[r] = 0;
+        for (int d = 0; d < HD; ++d) {
+            const T qd = sq[lane][d], od = sdo[lane][d];
+            for (int r = 0; r < RPW; ++r) {
+                s[r] += qd * sk[warp * RPW + r][d];
+                dp[r] += od * sv[warp * RPW + r][d];
+            }
+        }
         for (int r = 0; r < RPW; ++r) {
             const int row = warp * RPW + r, key = j0 + row;
-            T s = 0, dp = 0;
-            for (int d = 0; d < HD; ++d) {
-                s += sq[lane][d] * sk[row][d];
-                dp += sdo[lane][d] * sv[row][d];
-            }
-            const T p = (query < t && key <= query) ? ms_exp(s * scale - sl[lane]) : (T)0;
+            const T p = (query < t && key <= query) ? ms_exp(s[r] * scale - sl[lane]) : (T)0;
             sp[row][lane] = p;
-            sds[row][lane] = p * (dp - sd[lane]);
+            sds[row][lane] = p * (dp[r] - sd[lane]);
         }
         __syncwarp();
-        for (int r = 0; r < RPW; ++r) {
-            const int row = warp * RPW + r;
-            for (int i = 0; i < TILE; ++i) {
-                const T p = sp[row][i], ds = sds[row][i];
-                for (int c = 0; c < DW; ++c) {
-                    const int d = lane + 32 * c;
-                    if (d < HD) {
-                        av[r][c] += p * sdo[i][d];
-                        ak[r][c] += ds * sq[i][d];
-                    }
+        for (int i = 0; i < TILE; ++i) {
+            for (int c = 0; c < DW; ++c) {
+                const int d = lane + 32 * c;
+                if (d >= HD) continue;
+                const T od = sdo[i][d], qd = sq[i][d];
+                for (int r = 0; r < RPW; ++r) {
+                    av[r][c] += sp[warp * RPW + r][i] * od;
+                    ak[r][c] += sds[warp * RPW + r][i] * qd;
                 }
             }
         }
