@@ -107,6 +107,8 @@ class StepGraph:
         current = cuda.get_current_stream()
         current.synchronize()                   # the eager calls' work is done
         stream, pool = cuda.Stream(non_blocking=True), cuda.MemoryPool()
+        # Kept even if the capture fails: arrays made during it may outlive it.
+        self._pool, self._stream = pool, stream
         try:
             with cuda.using_allocator(pool.malloc), stream:
                 stream.begin_capture()
@@ -118,5 +120,5 @@ class StepGraph:
             self.reason = f"capture failed, running eagerly: {type(exc).__name__}: {exc}"
             self.fn()                           # nothing captured ran: this call's work
             return
-        self.graph, self._pool, self._stream = graph, pool, stream
+        self.graph = graph
         graph.launch(stream=current)

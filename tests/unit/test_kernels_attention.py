@@ -8,8 +8,8 @@ capture, replay and fallback against a stand-in for CuPy's streams. The ``gpu``
 cases (CuPy and a device; skipped elsewhere, saying why) run the CUDA kernels
 against the twin on the same device arrays (float64 to 1e-11, float32 to 2e-5),
 the GPT with the fused attention against the GPT without it, the kernels twice
-for the same bits, a GPT forward and backward replayed as a CUDA graph against
-the eager one, and TF32 products against float32 ones. None of the ``gpu`` cases
+for the same bits, an MLP's and a GPT's forward and backward replayed as a CUDA
+graph against eager ones, and TF32 products against float32 ones. None of the ``gpu`` cases
 has run on a GPU yet (scripts/gpu-check.sh runs them).
 """
 
@@ -28,7 +28,7 @@ import mpishard.nn.attention as layer_module
 from mpishard.backend import cupy_available, to_numpy
 from mpishard.kernels import attention as att
 from mpishard.kernels.cuda_step import StepGraph, set_tf32, tf32_enabled
-from mpishard.nn import GPT
+from mpishard.nn import GPT, MLP
 
 V, T, D, H, L = 13, 21, 24, 3, 2          # head_dim 8, tokens past a block's 16 rows
 
@@ -208,20 +208,30 @@ def test_gpt_with_fused_attention_matches_without(cp, monkeypatch, dtype):
 
 
 @pytest.mark.gpu
-def test_gpt_forward_backward_replayed_as_a_cuda_graph(cp):
-    """Loss and gradients of a captured forward and backward against eager ones."""
-    x, y = (cp.asarray(a) for a in tokens(2))
-    model = GPT(V, T, D, H, L, dtype=np.float32, xp=cp, seed=3)
-    eager = model.forward_backward(x, y)
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_forward_backward_replayed_as_a_cuda_graph(cp, name):
+    """Gradients of a captured forward and backward against eager ones. The MLP's
+    must capture; the GPT's may not (its embedding sorts token ids with Thrust,
+    which may wait for the stream): then it runs eagerly, the reason reported."""
+    if name == "mlp":
+        model = MLP([16, 32, 5], activation="gelu", dtype=np.float32, xp=cp, seed=3)
+        rng = np.random.default_rng(0)
+        x = cp.asarray(rng.standard_normal((8, 16)).astype(np.float32))
+        y = cp.asarray(rng.integers(0, 5, 8))
+    else:
+        model = GPT(V, T, D, H, L, dtype=np.float32, xp=cp, seed=3)
+        x, y = (cp.asarray(a) for a in tokens(2))
+    assert np.isfinite(model.forward_backward(x, y))
     want = to_numpy(model.grads).copy()
     graph = StepGraph(lambda: _fwd_bwd(model, x, y), cp, warmup=1)
     for _ in range(3):
         model.grads[...] = cp.nan
         graph()
     cp.cuda.get_current_stream().synchronize()
-    assert graph.captured, graph.reason
     np.testing.assert_allclose(to_numpy(model.grads), want, rtol=1e-6, atol=1e-7)
-    assert np.isfinite(eager)
+    if not graph.captured:
+        assert name == "gpt", graph.reason
+        pytest.xfail(f"the GPT's forward and backward did not capture: {graph.reason}")
 
 
 def _fwd_bwd(model, x, y) -> None:
