@@ -6,10 +6,11 @@
 #      only mpishard.comm imports mpi4py), ruff, and `mkdocs build --strict` (the
 #      documentation site of docs/: a broken link, a missing page or an API page
 #      that does not render fails the run); a violation fails the run;
-#   1. tests/unit (no MPI world: pure arithmetic, layers, optimizers), plain pytest;
+#   1. tests/unit (no MPI world: pure arithmetic, layers, optimizers), plain pytest,
+#      beside step 0 (one core each); the few tests that need h5py after its build;
 #   2. tests/jobs (each test starts its own mpirun or a whole program: launch, CLI,
 #      Slurm, stalls, aborts, the elastic agent), plain pytest, 3 tests at a time
-#      (they mostly wait on their jobs);
+#      (they mostly wait on their jobs), then the tests marked timing alone;
 #   3. tests/cluster (jobs over the namespace cluster of scripts/cluster-local.sh);
 #   4. tests/mpi under `mpirun -n N python -m pytest --with-mpi` for N = 1, 2, 4, and
 #      the tests marked layout3d at N = 8 (the tp2-pp2-dp2 layout);
@@ -29,7 +30,8 @@ py=${MPISHARD_VENV:-$repo/.venv}/bin/python
 source scripts/mpienv.sh
 setup_logs=$(mktemp -d)
 # A run that stops early (a lint error) ends the setups it started, by their ids.
-trap 'for pid in ${h5py_setup:-} ${ft_setup:-} ${slurm_setup:-}; do kill "$pid" 2>/dev/null || true; done' EXIT
+trap 'for pid in ${h5py_setup:-} ${ft_setup:-} ${slurm_setup:-} ${unit_tests:-}; do
+  kill "$pid" 2>/dev/null || true; done' EXIT
 bash scripts/setup.sh >"$setup_logs/h5py.log" 2>&1 &
 h5py_setup=$!
 bash scripts/setup.sh --ft >"$setup_logs/ft.log" 2>&1 &
@@ -43,6 +45,17 @@ if ! sinfo -h >/dev/null 2>&1; then
       && bash scripts/slurm-local.sh start; } >"$setup_logs/slurm.log" 2>&1 &
   slurm_setup=$!
 fi
+
+# tests/unit needs no MPI world, and but for a few tests no h5py: it runs now, beside
+# the linters and the documentation (each of them one process, one core), with h5py
+# made unimportable as it is on a new machine while the build runs
+# (scripts/pytest_before_h5py.py); a test that stops on `import h5py` is written to
+# $unit_deferred and runs after the build. Its output is printed after the documentation.
+unit_deferred=$setup_logs/unit-deferred
+PYTHONPATH="$repo/scripts${PYTHONPATH:+:$PYTHONPATH}" MPISHARD_DEFERRED="$unit_deferred" \
+  "$py" -m pytest -q -p no:cacheprovider --color=no -p pytest_before_h5py "$@" tests/unit \
+  >"$setup_logs/unit.log" 2>&1 &
+unit_tests=$!
 
 venv=${MPISHARD_VENV:-$repo/.venv}
 echo "== import contracts (lint-imports)"
@@ -85,14 +98,25 @@ if [ -n "$slurm_setup" ]; then
     echo "== Slurm could not be started: tests/jobs/test_slurm.py will say why it skips"; }
 fi
 
-echo "== tests without an MPI world (tests/unit)"
-"$py" -m pytest -q -p no:cacheprovider --color=no "$@" tests/unit
+echo "== tests without an MPI world (tests/unit, run beside the linters and the documentation)"
+unit_status=0
+wait "$unit_tests" || unit_status=$?
+unit_tests=
+cat "$setup_logs/unit.log"
+[ "$unit_status" = 0 ] || exit "$unit_status"
+if [ -s "$unit_deferred" ]; then
+  echo "== the tests of tests/unit that need h5py (deferred until its build)"
+  mapfile -t deferred < <(sort -u "$unit_deferred")
+  # Exit status 5: extra arguments (-k) that select none of them.
+  "$py" -m pytest -q -p no:cacheprovider --color=no "$@" "${deferred[@]}" || [ $? = 5 ]
+fi
 # pytest-xdist: 3 workers, each test's jobs on its own; the tests mostly wait on them.
-# loadfile: a file's tests share a worker, so a module fixture (test_slurm's DDP job)
-# runs once. The tests marked timing (timeouts of 2 s that every healthy rank must
-# meet) run alone after.
+# loadgroup: each test goes to the next free worker, but the tests of a file marked
+# xdist_group share one, so a module fixture (test_slurm's DDP job, test_docs_blocks'
+# jobs of a page) runs once. The tests marked timing (timeouts of 2 s that every
+# healthy rank must meet) run alone after.
 echo "== whole jobs, each test its own mpirun (tests/jobs: 3 at a time, then the timing ones)"
-"$py" -m pytest -q -p no:cacheprovider --color=no -n 3 --dist loadfile -m "not timing" "$@" \
+"$py" -m pytest -q -p no:cacheprovider --color=no -n 3 --dist loadgroup -m "not timing" "$@" \
   tests/jobs
 "$py" -m pytest -q -p no:cacheprovider --color=no -m timing "$@" tests/jobs
 echo "== jobs over the nodes of the namespace cluster (tests/cluster)"

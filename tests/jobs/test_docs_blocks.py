@@ -41,7 +41,9 @@ from pathlib import Path
 import pytest
 from mpijobs import REPO, mpi_env, mpirun, mpirun_command
 
-pytestmark = pytest.mark.launch
+# One worker for the whole file under pytest-xdist (scripts/test.sh: --dist loadgroup):
+# its module fixture runs once.
+pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("docs_blocks")]
 
 CONTINUES = "# continues the block above"
 RUNNER = Path(__file__).with_name("docs_blocks_runner.py")

@@ -24,7 +24,9 @@ import pytest
 from mpijobs import REPO
 from slurmjobs import FINAL, checkpoint, job_info, log, slurm_run, submit, wait
 
-pytestmark = pytest.mark.launch
+# One worker for the whole file under pytest-xdist (scripts/test.sh: --dist loadgroup):
+# its module fixture runs once.
+pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("slurm")]
 
 # The GPT job of the DDP and the requeue tests: 64 steps of 32 windows.
 GPT_ARGS = ["--example", "gpt", "--samples", "1024", "--epochs", "2", "--log-every", "2"]
