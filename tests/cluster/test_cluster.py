@@ -44,14 +44,13 @@ SLURM = REPO / "scripts" / "slurm-local.sh"
 CASES = SUPPORT / "cluster_cases.py"
 
 
-def run_case(cluster: dict[str, str], case: str, *args: str, n: int = 4,
-             flags: tuple[str, ...] = (), timeout: float = 180):
+def _job(cluster: dict[str, str], case: str, *args: str, n: int = 4,
+         flags: tuple[str, ...] = (), timeout: float = 180) -> tuple[int, str]:
     """``mpirun -n N python tests/support/cluster_cases.py CASE ARGS`` on node 0 of the
-    cluster."""
+    cluster: its exit status and output."""
     command = [*shlex.split(cluster["MPISHARD_CLUSTER_EXEC"]), "mpirun",
                *shlex.split(cluster["MPISHARD_CLUSTER_MPIRUN_FLAGS"]), *flags, "-n", str(n),
                sys.executable, str(CASES), case, *args]
-    t0 = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=mpi_env(), start_new_session=True)
     try:
@@ -60,10 +59,42 @@ def run_case(cluster: dict[str, str], case: str, *args: str, n: int = 4,
         os.killpg(proc.pid, 9)
         out, _ = proc.communicate()
         pytest.fail(f"{case} did not finish within {timeout:g} s:\n{out}")
-    assert proc.returncode == 0, f"{case} failed (exit {proc.returncode}):\n{out}"
-    oks = re.findall(rf"{re.escape(case)} ok on (\S+) rank (\d+): (.*?);;", out)
-    assert len(oks) == n, f"expecting {n} ranks to report, got {len(oks)}:\n{out}"
-    return oks, out, time.monotonic() - t0
+    return proc.returncode, out
+
+
+def _reports(code: int, out: str, job: str, case: str, n: int):
+    """The ``CASE ok`` reports of ``case`` in the output of ``job``, one per rank."""
+    assert code == 0, f"{job} failed (exit {code}):\n{out}"
+    oks = re.findall(rf"(?<!-){re.escape(case)} ok on (\S+) rank (\d+): (.*?);;", out)
+    assert len(oks) == n, f"expecting {n} ranks to report {case}, got {len(oks)}:\n{out}"
+    return oks
+
+
+def run_case(cluster: dict[str, str], case: str, *args: str, n: int = 4,
+             flags: tuple[str, ...] = (), timeout: float = 180):
+    """One case, one job: its reports (checked: one per rank), output and seconds."""
+    t0 = time.monotonic()
+    code, out = _job(cluster, case, *args, n=n, flags=flags, timeout=timeout)
+    return _reports(code, out, case, case, n), out, time.monotonic() - t0
+
+
+# The cases that take no argument and no flag of mpirun run one after another in one
+# job (one start-up of 4 ranks over the nodes instead of 9); each test reads its own
+# case's reports. A case that fails ends the job: its test, and those of the cases
+# after it, fail with the job's output, which names the case and its traceback.
+ONE_JOB = ["nodemap", *NAMES, "zero3-no-prefetch", *(f"tp2-dp2-{name}" for name in NAMES),
+           "pp2-dp2"]
+
+
+@pytest.fixture(scope="module")
+def one_job(cluster) -> tuple[int, str]:
+    return _job(cluster, "+".join(ONE_JOB), timeout=180 * len(ONE_JOB) / 3)
+
+
+def case_of_one_job(one_job: tuple[int, str], case: str):
+    """``case``'s reports in the job of ``ONE_JOB``, and that job's output."""
+    code, out = one_job
+    return _reports(code, out, "+".join(ONE_JOB), case, 4), out
 
 
 def hosts_by_rank(oks) -> list[str]:
@@ -72,8 +103,8 @@ def hosts_by_rank(oks) -> list[str]:
 
 # --------------------------------------------------------------- on the cluster
 
-def test_ranks_span_both_nodes_and_the_node_map_says_so(cluster):
-    oks, out, _ = run_case(cluster, "nodemap")
+def test_ranks_span_both_nodes_and_the_node_map_says_so(one_job):
+    oks, out = case_of_one_job(one_job, "nodemap")
     assert hosts_by_rank(oks) == [HOSTS[0], HOSTS[0], HOSTS[1], HOSTS[1]]
     nodes = json.loads(oks[0][2])
     assert nodes.pop("refused").endswith(
@@ -98,22 +129,22 @@ def test_round_robin_ranks_are_renumbered_node_by_node(cluster):
 
 
 @pytest.mark.parametrize("strategy", [*NAMES, "zero3-no-prefetch"])
-def test_data_parallel_across_nodes_matches_serial(cluster, strategy):
+def test_data_parallel_across_nodes_matches_serial(one_job, strategy):
     """Each strategy of the registry with its data group over both nodes (ZeRO-3:
     every parameter gather crosses the link, with and without prefetch)."""
-    oks, _, _ = run_case(cluster, strategy)
+    oks, _ = case_of_one_job(one_job, strategy)
     assert hosts_by_rank(oks) == [HOSTS[0], HOSTS[0], HOSTS[1], HOSTS[1]]
     assert all("12 steps, data group over 2 nodes" in detail for _, _, detail in oks), oks
 
 
 @pytest.mark.parametrize("data_parallel", NAMES)
-def test_tensor_inside_nodes_data_across_matches_serial(cluster, data_parallel):
-    oks, _, _ = run_case(cluster, f"tp2-dp2-{data_parallel}")
+def test_tensor_inside_nodes_data_across_matches_serial(one_job, data_parallel):
+    oks, _ = case_of_one_job(one_job, f"tp2-dp2-{data_parallel}")
     assert all("'tp': 1, 'dp': 2, 'pp': 1" in detail for _, _, detail in oks), oks
 
 
-def test_pipeline_across_nodes_matches_serial(cluster):
-    oks, _, _ = run_case(cluster, "pp2-dp2")
+def test_pipeline_across_nodes_matches_serial(one_job):
+    oks, _ = case_of_one_job(one_job, "pp2-dp2")
     assert all("'tp': 1, 'dp': 1, 'pp': 2" in detail for _, _, detail in oks), oks
 
 

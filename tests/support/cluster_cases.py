@@ -1,4 +1,5 @@
-"""Jobs of ``tests/cluster/test_cluster.py``: ``python tests/support/cluster_cases.py CASE [ARGS]``.
+"""Jobs of ``tests/cluster/test_cluster.py``: ``python tests/support/cluster_cases.py CASE [ARGS]``
+(or ``CASE+CASE+...``: several cases in one job).
 
 Each case runs on every rank of a job that spans the nodes of the namespace
 cluster (``scripts/cluster-local.sh``), computes its serial reference in the
@@ -80,9 +81,13 @@ def hosts_of(group) -> list[str]:
     return group.allgather(socket.gethostname())
 
 
+#: The name of the case running (the name the job was given it by).
+_RUNNING: list[str] = []
+
+
 def report(case: str, detail: str) -> None:
-    """``CASE ok on HOST rank R: DETAIL`` (CASE: the name the job was started with)."""
-    case = sys.argv[1] if len(sys.argv) > 1 else case
+    """``CASE ok on HOST rank R: DETAIL`` (CASE: the name the job was given it by)."""
+    case = _RUNNING[0] if _RUNNING else case
     # Open MPI forwards each rank's output in pieces that can meet another rank's on
     # one line: the ";;" ends a report wherever its newline lands.
     print(f"\n{case} ok on {socket.gethostname()} rank {WORLD.rank}: {detail};;", flush=True)
@@ -287,4 +292,8 @@ CASES = {"nodemap": case_nodemap,
          "transport": case_transport, "hierarchical": case_hierarchical}
 
 if __name__ == "__main__":
-    CASES[sys.argv[1]](*sys.argv[2:])
+    # CASE [ARGS], or CASE+CASE+... : cases one after another in one job (one start-up
+    # of the ranks); a case that fails ends the job, and the cases after it do not run.
+    for name in sys.argv[1].split("+"):
+        _RUNNING[:] = [name]
+        CASES[name](*sys.argv[2:])
