@@ -121,9 +121,11 @@ def test_a_late_simulation_rank_is_waited_for_under_the_data_deadline():
         np.testing.assert_allclose(got[r]["params"], serial(), rtol=1e-12)
 
 
-# 15 s, not 60: long against the 1 s data deadline and the 3 s late batch, and the
-# job ends one `timeout` after the data deadline fires (70 s with 60, 21 s with 15).
-@pytest.mark.parametrize("deadlines", ["timeout=1", "timeout=15, data_timeout=1"])
+# 6 s, not 60: long against the 1 s data deadline and the 3 s late batch (were the
+# data wait bounded by timeout, the late batch would arrive in time and nothing would
+# fail), and the job ends one `timeout` after the late rank arrives (70 s with 60,
+# 21 s with 15, about 10 s with 6).
+@pytest.mark.parametrize("deadlines", ["timeout=1", "timeout=6, data_timeout=1"])
 def test_the_data_deadline_names_itself(deadlines):
     """timeout=1 alone bounds the data wait as it always did; data_timeout=1 with a
     long timeout bounds it too. The message names data_timeout and the batch."""
