@@ -111,12 +111,13 @@ if [ -s "$unit_deferred" ]; then
   "$py" -m pytest -q -p no:cacheprovider --color=no "$@" "${deferred[@]}" || [ $? = 5 ]
 fi
 # pytest-xdist: 3 workers, each test's jobs on its own; the tests mostly wait on them.
-# loadgroup: each test goes to the next free worker, but the tests of a file marked
-# xdist_group share one, so a module fixture (test_slurm's DDP job, test_docs_blocks'
-# jobs of a page) runs once. The tests marked timing (timeouts of 2 s that every
-# healthy rank must meet) run alone after.
+# loadfile: a file's tests share a worker, so a module fixture (test_slurm's DDP job,
+# test_docs_blocks' job of a page's blocks) runs once. (Not loadgroup: with pytest 9
+# its groups are lost, pytest-xdist 3.8 renaming the tests by a field pytest 9 no
+# longer reads, and the fixtures ran on several workers.) The tests marked timing
+# (timeouts of 2 s that every healthy rank must meet) run alone after.
 echo "== whole jobs, each test its own mpirun (tests/jobs: 3 at a time, then the timing ones)"
-"$py" -m pytest -q -p no:cacheprovider --color=no -n 3 --dist loadgroup -m "not timing" "$@" \
+"$py" -m pytest -q -p no:cacheprovider --color=no -n 3 --dist loadfile -m "not timing" "$@" \
   tests/jobs
 "$py" -m pytest -q -p no:cacheprovider --color=no -m timing "$@" tests/jobs
 echo "== jobs over the nodes of the namespace cluster (tests/cluster)"

@@ -41,9 +41,7 @@ from pathlib import Path
 import pytest
 from mpijobs import REPO, mpi_env, mpirun, mpirun_command
 
-# One worker for the whole file under pytest-xdist (scripts/test.sh: --dist loadgroup):
-# its module fixture runs once.
-pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("docs_blocks")]
+pytestmark = pytest.mark.launch
 
 CONTINUES = "# continues the block above"
 RUNNER = Path(__file__).with_name("docs_blocks_runner.py")

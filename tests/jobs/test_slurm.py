@@ -24,9 +24,7 @@ import pytest
 from mpijobs import REPO
 from slurmjobs import FINAL, checkpoint, job_info, log, slurm_run, submit, wait
 
-# One worker for the whole file under pytest-xdist (scripts/test.sh: --dist loadgroup):
-# its module fixture runs once.
-pytestmark = [pytest.mark.launch, pytest.mark.xdist_group("slurm")]
+pytestmark = pytest.mark.launch
 
 # The GPT job of the DDP and the requeue tests: 64 steps of 32 windows.
 GPT_ARGS = ["--example", "gpt", "--samples", "1024", "--epochs", "2", "--log-every", "2"]
