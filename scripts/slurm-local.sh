@@ -103,6 +103,12 @@ AuthType=auth/munge
 # A requeued job waits for its old credential to expire (default 120 s): the
 # tests requeue jobs, so keep that short on this test cluster.
 AuthInfo=cred_expire=10
+# A job that can start only at a later pass of the scheduler (a requeued job, once its
+# credential expired; one submitted while the last one completes) waited for it:
+# every 60 s (main loop) or 30 s (backfill) by default: the requeued job of
+# tests/jobs/test_slurm.py started again 20 and 29 s after its requeue, of which its
+# credential's 10 s. Every 2 s on this test cluster.
+SchedulerParameters=sched_interval=2,bf_interval=2
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres

@@ -26,9 +26,10 @@ from slurmjobs import FINAL, checkpoint, job_info, log, slurm_run, submit, wait
 
 pytestmark = pytest.mark.launch
 
-# The GPT job of the DDP and the requeue tests: 64 steps of 32 windows.
-GPT_ARGS = ["--example", "gpt", "--samples", "1024", "--epochs", "2", "--log-every", "2"]
-GPT_STEPS = 64
+# The GPT job of the DDP and the requeue tests: 32 steps of 32 windows (enough to
+# lower the validation loss 1.4 times, and for SIGUSR1 to land in the middle).
+GPT_ARGS = ["--example", "gpt", "--samples", "512", "--epochs", "2", "--log-every", "2"]
+GPT_STEPS = 32
 
 
 def _slurm_answers() -> bool:
@@ -76,11 +77,11 @@ def test_ddp_job(ddp_job):
     text = log(tmp, "mpishard-ddp", job)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text
     assert f"job {job}: 4 tasks" in text and "ddp on 4 rank(s)" in text and "gpt done" in text
-    params, attrs = checkpoint(tmp / "run/gpt/checkpoints/ckpt-0000000064.h5")
+    params, attrs = checkpoint(tmp / f"run/gpt/checkpoints/ckpt-{GPT_STEPS:010d}.h5")
     assert (attrs["step"], attrs["world_size"], attrs["strategy"]) == (GPT_STEPS, 4, "ddp")
     start, = events(tmp / "run/gpt/metrics.jsonl", "start")
     end, = events(tmp / "run/gpt/metrics.jsonl", "end")
-    assert end["val_loss"] < start["start_val_loss"] / 1.4   # 4.58 -> about 2.6
+    assert end["val_loss"] < start["start_val_loss"] / 1.4   # 4.58 at the start
 
 
 def test_zero2_job(slurm, tmp_path):
