@@ -1,11 +1,14 @@
 """The parallel layer: the strategy cores, how gradients, state and parameters are
 spread over ranks.
 
-Each core here owns attach / backward / step / state, how a bucket of gradients
-is reduced and [`rebuild`][mpishard.parallel.base.DataParallelCore.rebuild] over new groups; it
-knows nothing of data sets, checkpoints or training loops (the layers above:
-[`mpishard.train`][mpishard.train] runs the loop, `mpishard.strategies` holds the public
-classes, one per name). The model of 3D parallelism,
+Each core here ([`DataParallelCore`][mpishard.parallel.base.DataParallelCore]:
+attach, backward, step, and [`rebuild`][mpishard.parallel.base.DataParallelCore.rebuild]
+over new groups) is a gradient reduction (`reduction.py`) and a parameter
+placement (`placement.py`) composed, with the step's totals (`totals.py`); the
+rest sits beside it (`attach.py`, `reads.py`, `accounting.py`, `answers.py`,
+`progress.py`, `options.py`). It knows nothing of data sets, checkpoints or
+training loops (the layers above: [`mpishard.train`][mpishard.train] runs the
+loop, `mpishard.strategies` holds the public classes, one per name). The model of 3D parallelism,
 [`HybridShardedModel`][mpishard.nn.hybrid.HybridShardedModel], is in the models' layer.
 """
 

@@ -9,9 +9,11 @@ One of the two parts of a data-parallel core (the other is its
   holds only its shard of it (ZeRO-2 and ZeRO-3), each bucket reduced to the
   shards as the backward produces it.
 
-A reduction owns the gradient buckets' reduce calls, the micro-batches' passes
-through them, the reducer it measured ([`Reducer`][mpishard.comm.reducer.Reducer])
-and, for reproducible mode, where the binned words are summed. It names its
+A reduction owns the gradient buckets (planned at attach, reduced during the
+backward or after it: [`plan_buckets`][mpishard.parallel.reduction.GradientReduction.plan_buckets])
+and their reduce calls, the micro-batches' passes through them, the reducer it
+measured ([`Reducer`][mpishard.comm.reducer.Reducer]) and, for reproducible
+mode, where the binned words are summed. It names its
 communicators ([`communicators`][mpishard.parallel.reduction.GradientReduction.communicators])
 for a recovery; it holds no state that outlives a step.
 """
@@ -32,8 +34,10 @@ from ..comm.ring import RING_MIN_ELEMENTS, RingComm
 from ..comm.timing import agree_on_fastest, reduce_once, time_alternatives
 from ..config import ShardingConfiguration
 from ..errors import MpiShardError
-from ..flat import Range, shard_ranges
+from ..flat import Range, bucket_ranges, shard_ranges
+from ..protocols import BucketedModel
 from .options import REDUCE_METHODS
+from .overlap import decide_overlap
 from .reproexchange import WordShards
 from .totals import StepTotals
 
@@ -71,6 +75,34 @@ class GradientReduction:
     def probe_kind(self) -> str:
         """How ``overlap="auto"``'s stand-in buckets are reduced."""
         return "allreduce"
+
+    def plan_buckets(self, model: Any, xp: Any, options: Any, scales_loss: bool,
+                     step_group: FlatComm, record: dict[str, Any]) -> GradientBuckets:
+        """``model``'s gradient buckets (``options.bucket_mb``), reduced during the
+        backward (sets ``bucketed``) or after it as ``options.overlap`` says; how
+        ``"auto"`` or ``"measure"`` decided goes into ``record``
+        (``mpishard.parallel.overlap.decide_overlap``). Collective
+        over ``groups.dp`` and ``step_group`` (a measurement)."""
+        # Buckets reduced during the backward must already hold the row-weighted
+        # gradient: a model that cannot scale its loss is reduced after it.
+        # Reproducible mode reduces binned sums at step(), not buckets during the backward.
+        reproducible = self.config.reproducible
+        can_overlap = isinstance(model, BucketedModel) and scales_loss and not reproducible
+        bucket_elements = max(1, int(options.bucket_mb * 2**20) // model.params.itemsize)
+        ranges = bucket_ranges(model.layout, bucket_elements)
+        overlap = options.overlap
+        if isinstance(overlap, str) and can_overlap:   # "auto" or "measure"
+            self.bucketed = decide_overlap(self.dp, step_group, ranges, model.params.dtype, xp,
+                                           self.probe_kind(), self.slots, record,
+                                           nodes=self.config.groups.nodes,
+                                           measure=overlap == "measure")
+        else:
+            self.bucketed = can_overlap and overlap is True
+            if isinstance(overlap, str):
+                record.update(choice=False, reason=(
+                    "reproducible mode" if reproducible else
+                    "the model has no backward hooks or no loss_scale"))
+        return GradientBuckets(ranges, self.reduce_bucket, slots=self.slots)
 
     def communicators(self) -> list[FlatComm]:
         """The communicators this reduction waits on: the data group's and its

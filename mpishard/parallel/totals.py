@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -14,13 +15,26 @@ from ..flat import Range
 from ..optim.base import CHUNK_ELEMENTS, DEVICE_CHUNK_ELEMENTS
 from ..optim.clip import all_finite, sum_of_squares
 
-__all__ = ["StepTotals"]
+__all__ = ["StepSums", "StepTotals"]
 
 # The one small vector every step reduces (float64): the row-weighted loss sum,
 # the row count, this rank's share of the gradient's sum of squares (with
 # clipping; without it 0 or infinity: whether that share is finite), then one
 # flag per rank of the step group (a non-finite local loss or gradient).
 _LOSS, _ROWS, _SQUARES, _FLAGS = 0, 1, 2, 3
+
+
+class StepSums(Protocol):
+    """What sums a step besides the totals: a core's
+    [gradient reduction][mpishard.parallel.reduction.GradientReduction], or
+    reproducible mode's binned sums
+    (``ReproducibleStep``, ``mpishard.parallel.repro``)."""
+
+    def reduce_step(self) -> float: ...
+
+    def fill_totals(self, totals: StepTotals, clipping: bool) -> None: ...
+
+    def read_totals(self, totals: StepTotals, clipping: bool) -> None: ...
 
 
 class StepTotals:
@@ -125,6 +139,38 @@ class StepTotals:
     def reduce(self) -> None:
         """Sum the buffers of the step group. Collective over the step group."""
         self.group.Allreduce(self.buffer, slot="step")
+
+    def reduce_with(self, sums: StepSums, clipping: bool) -> tuple[float, float]:
+        """The step's reductions: ``sums`` completes the gradient's and writes this
+        rank's totals (its share's sum of squares with ``clipping``), then the one
+        small ``Allreduce``, read back. Returns the seconds spent communicating
+        and the seconds spent on this rank. Collective over ``groups.dp`` and
+        the step group."""
+        t0 = time.perf_counter()
+        converted = sums.reduce_step()     # seconds converting (reproducible mode)
+        t1 = time.perf_counter()
+        sums.fill_totals(self, clipping)
+        t2 = time.perf_counter()
+        self.reduce()
+        t3 = time.perf_counter()
+        sums.read_totals(self, clipping)
+        return (t1 - t0 - converted) + (t3 - t2), (t2 - t1) + (time.perf_counter() - t3)
+
+    def mean(self, factor: float) -> tuple[float, float, float]:
+        """``(loss, norm, scale)`` of the reduced totals: the global mean loss, the
+        norm of ``factor`` times the mean gradient (NaN where the sum of squares
+        is), and ``factor / rows``, which turns the summed gradient into it.
+
+        Raises:
+            ValueError: no rank had any rows since the last step (on every rank).
+        """
+        loss_sum, rows, squares = self.read()
+        if rows == 0:
+            raise ValueError("step(): the global batch has no rows (every rank called "
+                             "backward() with an empty batch since the last step)")
+        scale = factor / rows
+        norm = math.sqrt(squares) * scale if squares >= 0 else float("nan")
+        return loss_sum / rows, norm, scale
 
     def set(self, loss_sum: float, squares: float | None) -> None:
         """Put reproducible mode's exact sums in place of the summed floats
