@@ -79,9 +79,8 @@ class ElasticOptimizer(Strategy):
         keep: checkpoints kept in the folder.
         async_checkpoints: write the periodic checkpoints in the background
             (``CheckpointManager(async_=True)``: the step goes on while the file
-            is written; `mpishard.checkpoint.background`). None (the default):
-            on, but for ``strategy="zero3"``, where it was measured slower
-            (as ``mpishard train --async-checkpoints``). A checkpoint taken at a
+            is written; `mpishard.checkpoint.background`; the default, as
+            ``mpishard train --async-checkpoints``). A checkpoint taken at a
             stop (a resize, a preemption, the end) or by
             [`checkpoint`][mpishard.strategies.elastic.ElasticOptimizer.checkpoint]
             is complete on disk before the call returns, so a relaunch finds only
@@ -109,7 +108,7 @@ class ElasticOptimizer(Strategy):
                  min_workers: int | None = None, max_workers: int | None = None, *,
                  strategy: str = "ddp",
                  checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
-                 keep: int = 3, async_checkpoints: bool | None = None,
+                 keep: int = 3, async_checkpoints: bool = True,
                  batch_policy: str = "fixed-global",
                  reference_workers: int = 1, exit_on_signal: bool = False,
                  **options: Any) -> None:
@@ -144,8 +143,6 @@ class ElasticOptimizer(Strategy):
         self.exit_on_signal = exit_on_signal
         super().__init__(STRATEGIES[strategy].core_class(optimizer, config, **options))
         self.base_lr = optimizer.lr
-        if async_checkpoints is None:
-            async_checkpoints = strategy != "zero3"
         self.manager = (CheckpointManager(checkpoint_dir, keep=keep, async_=async_checkpoints)
                         if checkpoint_dir is not None else None)
         self.resumed_from: str | None = None
