@@ -594,8 +594,9 @@ def lay_out(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
     if rank == 0:   # rank 0's attributes, as under mpio
         created = _create_file(final, ordered, _with_order(attrs, ordered, order_groups), ub)
     created = comm.bcast(created, root=0) if size > 1 else created
-    tmp, offsets, error = created
-    agree_error(comm, CheckpointError(error) if error else None)
+    tmp, offsets, problem = created
+    if problem:   # every rank has rank 0's message: no agreement needed
+        raise CheckpointError(problem)
     fd, error = None, None
     try:
         fd = os.open(tmp, os.O_WRONLY)
