@@ -68,7 +68,6 @@ thread write in pieces of ``<bytes>`` with a pause of ``<seconds>`` after each
 from __future__ import annotations
 
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -80,23 +79,16 @@ import numpy as np
 from ..backend import is_device_array
 from ..comm import FlatComm
 from ..errors import CheckpointError
-from .blocks import Block
-from .collective import agree_error
-from .container import seal_file, userblock_size_for
 from .format import TensorRecord
 from .write import (
-    _ALIGN,
-    _ALIGN_THRESHOLD,
-    CHUNK_BYTES,
-    LIBVER,
-    TEMP_MARK,
+    LaidOut,
     Piece,
     _checksums,
-    _fsync_folder,
     _remove_quietly,
-    _set_attrs,
-    _with_order,
-    plan_datasets,
+    file_runs,
+    lay_out,
+    pwrite_runs,
+    seal_laid_out,
 )
 
 __all__ = [
@@ -195,75 +187,14 @@ def snapshot() -> Snapshot:
     return _SNAPSHOT
 
 
-# --- runs: where a piece's bytes go in the file ----------------------------------
-
-def block_runs(block: Block, shape: Sequence[int], itemsize: int) -> list[tuple[int, int]]:
-    """``(byte offset in the dataset, byte length)`` of the C-order runs of
-    ``block`` of a contiguous dataset of ``shape``, in the block's C order."""
-    if not shape:
-        return [(0, itemsize)]
-    d = len(shape) - 1
-    while d > 0 and block[d].start == 0 and block[d].stop == shape[d]:
-        d -= 1
-    inner = int(np.prod(shape[d + 1:], dtype=np.int64))
-    strides = [int(np.prod(shape[j + 1:], dtype=np.int64)) for j in range(len(shape))]
-    length = (block[d].stop - block[d].start) * inner * itemsize
-    if length == 0:
-        return []
-    outer = [range(s.start, s.stop) for s in block[:d]]
-    runs = []
-    for index in np.ndindex(*[len(r) for r in outer]) if outer else [()]:
-        at = sum((outer[j][i]) * strides[j] for j, i in enumerate(index))
-        runs.append(((at + block[d].start * strides[d]) * itemsize, length))
-    return runs
-
-
-def _root(a: np.ndarray) -> np.ndarray:
-    """The array that owns ``a``'s memory (the last ndarray of its ``base`` chain)."""
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    return a
-
-
-def _address(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
-
-
-def _writes(chunks: Sequence[Piece], offsets: dict[str, int]) -> list[tuple[int, memoryview]]:
-    """``(file offset, bytes)`` of every run of ``chunks``, adjacent runs merged
-    where their bytes are adjacent in the same snapshot buffer too."""
-    merged: list[list[Any]] = []   # [file offset, address, length, owner]
-    for c in chunks:
-        owner = _root(c.data)
-        address = _address(c.data)
-        for offset, length in block_runs(c.block, c.tensor.shape, c.data.dtype.itemsize):
-            start = offsets[c.tensor.path] + offset
-            last = merged[-1] if merged else None
-            if (last is not None and last[3] is owner and last[0] + last[2] == start
-                    and last[1] + last[2] == address):
-                last[2] += length
-            else:
-                merged.append([start, address, length, owner])
-            address += length
-    out = []
-    for start, address, length, owner in merged:
-        raw = owner.reshape(-1).view(np.uint8)
-        at = address - _address(raw)
-        out.append((start, memoryview(raw[at:at + length])))
-    return out
-
-
 # --- the pending save ----------------------------------------------------------------
 
 @dataclass
 class _Pending:
     final: str
-    tmp: str
+    laid: LaidOut
     comm: FlatComm | None
     rank: int
-    ordered: list[TensorRecord]
-    extents: list[tuple[int, int]]
-    userblock: int
     durable: bool
     thread: threading.Thread
     done: threading.Event
@@ -331,89 +262,15 @@ def start_background_write(path: str | os.PathLike, comm: FlatComm | None,
 def _start(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
            pieces: Sequence[Piece], attrs: dict[str, dict[str, Any]], durable: bool,
            order_groups: tuple) -> _Pending:
-    size = 1 if comm is None else comm.size
     rank = 0 if comm is None else comm.rank
     loose = next((p.tensor.path for p in pieces if not p.data.flags.c_contiguous), None)
-    ordered, index = plan_datasets(
-        final, comm, size, tensors, pieces,
-        f"{final}: a piece of {loose} is not contiguous in memory" if loose else None)
-    ub = userblock_size_for(len(ordered))
-    created = None
-    if rank == 0:
-        created = _create_file(final, ordered, _with_order(attrs, ordered, order_groups), ub)
-    created = comm.bcast(created, root=0) if size > 1 else created
-    tmp, offsets, error = created
-    agree_error(comm, CheckpointError(error) if error else None)
-    fd, error = None, None
-    try:
-        fd = os.open(tmp, os.O_WRONLY)
-    except OSError as exc:
-        error = CheckpointError(f"{final}: rank {rank} cannot open the temporary file {tmp} "
-                                f"that rank 0 created ({exc.strerror}): an asynchronous save "
-                                f"needs a file system shared by the ranks")
-    try:
-        agree_error(comm, error)
-    except BaseException:
-        if fd is not None:
-            os.close(fd)
-        if rank == 0:
-            _remove_quietly(tmp)
-        raise
+    laid = lay_out(final, comm, tensors, pieces, attrs, order_groups,
+                   f"{final}: a piece of {loose} is not contiguous in memory" if loose else None)
     chunks = list(pieces)
-    writes = _writes(chunks, {t.path: offsets[i] for i, t in enumerate(ordered)})
-    extents = [(offsets[i], t.size * np.dtype(t.dtype).itemsize)
-               for i, t in enumerate(ordered) if t.size]
-    done = threading.Event()
-    pending = _Pending(final, tmp, comm, rank, list(ordered), extents, ub, durable,
-                       threading.Thread(), done)
-    pending.thread = threading.Thread(target=_work, args=(pending, fd, writes, chunks, index),
+    pending = _Pending(final, laid, comm, rank, durable, threading.Thread(), threading.Event())
+    pending.thread = threading.Thread(target=_work, args=(pending, file_runs(chunks, laid), chunks),
                                       name="mpishard-checkpoint-write", daemon=True)
     return pending
-
-
-def _create_file(final: str, ordered: Sequence[TensorRecord], attrs: dict[str, dict[str, Any]],
-                 ub: int) -> tuple[str | None, list[int], str | None]:
-    """Rank 0: the temporary file with every dataset allocated; its name, the
-    datasets' offsets, and the problem (a message) or None."""
-    folder = os.path.dirname(final)
-    if not os.path.isdir(folder):
-        return None, [], f"{final}: folder {folder} does not exist"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return None, [], f"{final}: folder {folder} is not writable"
-    tmp = f"{final}{TEMP_MARK}{secrets.token_hex(4)}"
-    try:
-        import h5py
-
-        with h5py.File(tmp, "w", userblock_size=ub, libver=LIBVER, locking=False,
-                       alignment_threshold=_ALIGN_THRESHOLD, alignment_interval=_ALIGN) as f:
-            dsets = _create_early(f, ordered, attrs)
-            offsets = [int(dsets[t.path].id.get_offset() or 0) if t.size else 0
-                       for t in ordered]
-        return tmp, offsets, None
-    except Exception as exc:
-        _remove_quietly(tmp)
-        return None, [], f"{final}: cannot create {tmp}: {exc}"
-
-
-def _create_early(f: Any, ordered: Sequence[TensorRecord],
-                  attrs: dict[str, dict[str, Any]]) -> dict:
-    """`write._create` with the space of every dataset allocated at once (so it
-    has its offset) and a zero ``checksum`` attribute to fill in at the commit."""
-    import h5py
-
-    for g in sorted({t.group for t in ordered} | {g for g in attrs if g != "/"}):
-        f.require_group(g)
-    dsets = {}
-    for t in ordered:
-        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-        d = f.create_dataset(t.path, shape=t.shape, dtype=np.dtype(t.dtype), dcpl=dcpl)
-        d.attrs["checksum"] = np.zeros(2, dtype=np.uint64)
-        dsets[t.path] = d
-    for g in sorted(attrs):
-        _set_attrs(f if g == "/" else f[g], attrs[g])
-    return dsets
 
 
 def _slow() -> tuple[int, float] | None:
@@ -424,38 +281,29 @@ def _slow() -> tuple[int, float] | None:
     return max(1, int(piece)), float(pause)
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        if n <= 0:
-            raise OSError(f"pwrite wrote {n} bytes at offset {offset}")
-        data, offset = data[n:], offset + n
-
-
-def _work(pending: _Pending, fd: int, writes: Sequence[tuple[int, memoryview]],
-          chunks: Sequence[Piece], index: dict[str, int]) -> None:
+def _work(pending: _Pending, runs: Sequence[tuple[int, memoryview]],
+          chunks: Sequence[Piece]) -> None:
     """The thread: write, checksum, fsync. No MPI, no HDF5."""
+    laid = pending.laid
     try:
         if pending.error is not None:
             return
         slow = _slow()
-        step = CHUNK_BYTES if slow is None else slow[0]
-        for offset, data in writes:
-            for at in range(0, len(data), step):
-                _pwrite_all(fd, data[at:at + step], offset + at)
-                if slow is not None:
-                    time.sleep(slow[1])
-        sums = _checksums(chunks, index, len(pending.ordered))
+        if slow is None:
+            pwrite_runs(laid.fd, runs)
+        else:
+            pwrite_runs(laid.fd, runs, slow[0], lambda n: time.sleep(slow[1]))
+        sums = _checksums(chunks, laid.index, len(laid.ordered))
         pending.sums = np.array([s.to_array() for s in sums],
-                                dtype=np.uint64).reshape(len(pending.ordered), 2)
+                                dtype=np.uint64).reshape(len(laid.ordered), 2)
         if pending.durable:
-            os.fsync(fd)
+            os.fsync(laid.fd)
     except BaseException as exc:   # reported at the commit, on every rank
-        pending.error = CheckpointError(f"{pending.tmp}: the background write failed on rank "
+        pending.error = CheckpointError(f"{laid.tmp}: the background write failed on rank "
                                         f"{pending.rank}: {exc}")
     finally:
         try:
-            os.close(fd)
+            os.close(laid.fd)
         except OSError:
             pass
         pending.done.set()
@@ -492,38 +340,8 @@ def settle() -> str | None:
 
 
 def _commit(pending: _Pending) -> None:
-    comm = pending.comm
     pending.thread.join()
-    try:
-        agree_error(comm, pending.error)
-    except BaseException:
-        if pending.rank == 0:
-            _remove_quietly(pending.tmp)
-        raise
-    table = pending.sums
-    if comm is not None and comm.size > 1:
-        comm.Allreduce(table, slot="checkpoint-checksums")
-    error = None
-    if pending.rank == 0:
-        try:
-            _seal(pending, table)
-        except Exception as exc:
-            error = CheckpointError(f"{pending.final}: sealing or renaming failed: {exc}")
-            _remove_quietly(pending.tmp)
-    agree_error(comm, error)
-
-
-def _seal(pending: _Pending, table: np.ndarray) -> None:
-    """Rank 0: checksums in place, the seal, fsync, rename, fsync of the folder."""
-    import h5py
-
-    with h5py.File(pending.tmp, "r+", locking=False) as f:
-        for t, row in zip(pending.ordered, table):
-            f[t.path].attrs.modify("checksum", row)
-    seal_file(pending.tmp, pending.userblock, pending.extents, durable=pending.durable)
-    os.replace(pending.tmp, pending.final)
-    if pending.durable:
-        _fsync_folder(os.path.dirname(pending.final))
+    seal_laid_out(pending.comm, pending.laid, pending.error, pending.sums, pending.durable)
 
 
 def poll_checkpoint() -> str | None:
@@ -559,7 +377,7 @@ def discard_checkpoint() -> str | None:
     pending = _PENDING.pop()
     pending.thread.join()
     if pending.rank == 0:
-        _remove_quietly(pending.tmp)
+        _remove_quietly(pending.laid.tmp)
     return pending.final
 
 

@@ -311,8 +311,10 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     ``MPI.COMM_WORLD`` by default; a model-parallel model's own configuration
     when it has one).
 
-    ``driver``: ``"auto"`` (parallel HDF5 when h5py has MPI, else through rank 0;
-    ``MPISHARD_CHECKPOINT_DRIVER`` overrides), ``"mpio"`` or ``"serial"``.
+    ``driver``: ``"auto"`` (``"direct"``: rank 0 lays the file out, every rank
+    writes its bytes into it with ``pwrite``; ``MPISHARD_CHECKPOINT_DRIVER``
+    overrides), ``"direct"``, ``"mpio"`` (parallel HDF5) or ``"serial"`` (through
+    rank 0); the same file from each (`mpishard.checkpoint.write`).
     ``durable``: the file and its folder are on disk when this returns (fsync).
 
     ``asynchronous``: return once this rank has copied its part of the state

@@ -10,20 +10,48 @@ declares the tensors it knows (each a
 [`TensorRecord`][mpishard.checkpoint.TensorRecord]); the union, in one order
 agreed by all, is what the file holds, because HDF5 creates datasets collectively.
 
-Order of a save (collective over ``comm``):
+Order of a save (collective over ``comm``), by driver:
+
+``direct`` (what ``"auto"`` chooses; `lay_out`, `file_runs`, `pwrite_runs`,
+`seal_laid_out`, shared with the asynchronous save of
+`mpishard.checkpoint.background`):
 
 1. agree on the datasets (``allgather`` of the declarations) and check that
    the pieces cover each dataset exactly once (``Allreduce`` of counts);
+2. rank 0 alone creates ``<path>.tmp-<random>`` with serial h5py: every
+   dataset contiguous, 4 KiB aligned, allocated but not filled (the file is
+   sparse until written), a zero ``checksum`` attribute on each; it broadcasts
+   the name and every dataset's file offset, and every rank opens the file;
+3. each rank writes its pieces' bytes at those offsets with ``os.pwrite``
+   (16 MiB calls; a flat vector's share is one run per tensor, merged across
+   tensors where they are adjacent in the file and in memory), while a helper
+   thread checksums them, then ``fsync``s; no MPI-IO, no HDF5 in the data path;
+4. one ``Allreduce`` adds the partial checksums; rank 0 puts them in place
+   (same size: the file's layout does not move), seals the user block,
+   fsyncs, renames to ``path`` and fsyncs the folder.
+
+Why: the writes are the same system calls as file-per-process POSIX writes of
+the same bytes, into one file; HDF5 only ever handles the metadata, on one
+rank. Measured against file-per-process and ``numpy.save`` in
+``benchmarks/bench_checkpoint_write.py`` (the guide's Checkpoints page).
+
+``mpio`` (parallel HDF5) and ``serial`` (through rank 0, for ranks without a
+shared file system to write into):
+
+1. as above;
 2. rank 0 picks a temporary name ``<path>.tmp-<random>`` next to ``path``;
 3. ``mpio``: all ranks create the file and every dataset with the same
    arguments in the same order, then write their pieces with independent
-   I/O. ``serial`` (h5py without MPI): ranks send their pieces to rank 0
+   I/O. ``serial``: ranks send their pieces to rank 0
    (buffer messages, double-buffered), which writes them;
 4. meanwhile a helper thread checksums the rank's pieces (HDF5 releases the
    GIL during I/O); one ``Allreduce`` adds the partial checksums;
 5. checksums and attributes are written, the file is closed by all;
 6. rank 0 seals the user block, fsyncs, renames to ``path`` and fsyncs the
    folder. A rank that dies before this leaves only the temporary file behind.
+
+All three write the same file: datasets, attributes, checksums and seal
+(``tests/mpi/test_checkpoint_direct.py``).
 
 Every message between the ranks goes through a
 [`FlatComm`][mpishard.comm.FlatComm] under its timeout, so a rank that does not
@@ -49,21 +77,31 @@ from ..comm import FlatComm, hdf5_deadline
 from ..errors import CheckpointError
 from .blocks import Block, block_shape, block_size, split_block
 from .checksum import Checksum, block_checksum
-from .collective import agree_error, resolve_driver
+from .collective import DRIVER_ENV, agree_error, resolve_driver
 from .container import seal_file, seal_image, userblock_size_for
 from .format import TensorRecord, check_tensor_name
 
 __all__ = [
     "CHUNK_BYTES",
+    "DRIVERS",
+    "LaidOut",
     "Piece",
     "TEMP_MARK",
+    "block_runs",
+    "choose_driver",
+    "file_runs",
+    "lay_out",
     "plan_datasets",
+    "pwrite_runs",
+    "seal_laid_out",
     "write_checkpoint_file",
     "write_image",
 ]
 
 #: Pieces are written, sent and checksummed in chunks of at most this many bytes.
 CHUNK_BYTES = 16 << 20
+#: The drivers of `write_checkpoint_file`.
+DRIVERS = ("auto", "direct", "mpio", "serial")
 #: Temporary files are ``<final name>.tmp-<hex>``.
 TEMP_MARK = ".tmp-"
 #: HDF5 file format bounds: 1.8 object headers (dense attributes for long JSON),
@@ -214,7 +252,10 @@ def write_checkpoint_file(path: str | os.PathLike, comm: FlatComm | None,
     caller's, and HDF5's own collectives are entered only once every rank has
     arrived, with a deadline ([`hdf5_deadline`][mpishard.comm.hdf5_deadline]).
 
-    ``tensors`` are the datasets this rank knows of, ``pieces`` what it writes;
+    ``driver``: ``"auto"`` (``"direct"`` unless `DRIVER_ENV` names another),
+    ``"direct"``, ``"mpio"`` or ``"serial"`` (`choose_driver`; the module's
+    docstring says what each does). ``tensors`` are the datasets this rank
+    knows of, ``pieces`` what it writes;
     ``attrs`` maps a group (``"/"``, ``"params"``, ``"optimizer"``, ...) to its
     attributes, taken from rank 0. Each group of ``order_groups`` gets an attribute
     ``order``: the JSON list of its tensor names in the agreed order (which only
@@ -231,15 +272,37 @@ def write_checkpoint_file(path: str | os.PathLike, comm: FlatComm | None,
     final = os.path.abspath(os.fspath(path))
     size = 1 if comm is None else comm.size
     rank = 0 if comm is None else comm.rank
-    mode = resolve_driver(driver, size, rank)
+    mode = choose_driver(driver, size, rank)
     # Our tags never meet the caller's (Idup: under the timeout).
     private = comm.dup("checkpoint") if size > 1 else None
     try:
+        if mode == "direct":
+            return _write_direct(final, private, tensors, pieces, attrs, durable,
+                                 tuple(order_groups))
         return _write(final, private, rank, size, mode, tensors, pieces, attrs, durable,
                       tuple(order_groups))
     finally:
         if private is not None:
             private.free()
+
+
+def choose_driver(driver: str, size: int, rank: int = 0) -> str:
+    """``"direct"``, ``"mpio"`` or ``"serial"``: ``"auto"`` is ``"direct"``
+    unless `DRIVER_ENV` names another driver, which
+    [`resolve_driver`][mpishard.checkpoint.collective.resolve_driver] then checks
+    (the HDF5 drivers, with its fallback and warning). Local.
+
+    Raises:
+        ValueError: an unknown driver, or ``"mpio"`` with an h5py built without MPI.
+    """
+    if driver not in DRIVERS:
+        raise ValueError(f"driver must be one of {', '.join(map(repr, DRIVERS))}, "
+                         f"got {driver!r}")
+    if driver == "direct":
+        return "direct"
+    if driver == "auto" and os.environ.get(DRIVER_ENV, "").strip().lower() in ("", "direct"):
+        return "direct"
+    return resolve_driver(driver, size, rank)
 
 
 def plan_datasets(final: str, comm: FlatComm | None, size: int,
@@ -484,6 +547,271 @@ def _write_serial(tmp: str, comm: FlatComm | None, rank: int, size: int, ub: int
             except Exception as exc:
                 error = error or CheckpointError(f"{tmp}: closing failed: {exc}")
     return extents, error
+
+
+# --- direct: rank 0 lays the file out, every rank pwrites its bytes into it ----------
+
+@dataclass
+class LaidOut:
+    """A temporary file that rank 0 created with every dataset contiguous,
+    4 KiB aligned and allocated (not filled), a zero ``checksum`` attribute on
+    each; ``offsets[i]`` is where ``ordered[i]``'s bytes go, ``fd`` this rank's
+    descriptor of it (write only)."""
+
+    final: str
+    tmp: str
+    ordered: list[TensorRecord]
+    index: dict[str, int]
+    offsets: list[int]
+    userblock: int
+    fd: int
+
+    @property
+    def extents(self) -> list[tuple[int, int]]:
+        """``(offset, bytes)`` of every non-empty dataset's raw data (for the seal)."""
+        return [(o, t.size * np.dtype(t.dtype).itemsize)
+                for o, t in zip(self.offsets, self.ordered) if t.size]
+
+
+def lay_out(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
+            pieces: Sequence[Piece], attrs: dict[str, dict[str, Any]],
+            order_groups: Sequence[str], local_problem: str | None = None) -> LaidOut:
+    """Agree on the datasets (`plan_datasets`), let rank 0 create the file at
+    a temporary name next to ``final`` (serial h5py: kilobytes of metadata, no
+    MPI-IO), broadcast its name and offsets, and open it on every rank.
+    Collective over ``comm``.
+
+    Raises:
+        CheckpointError: on every rank, as `plan_datasets` does, or when the
+            folder is missing, the file cannot be created, or a rank cannot open
+            it (the ranks need one shared file system; the file is removed).
+    """
+    size = 1 if comm is None else comm.size
+    rank = 0 if comm is None else comm.rank
+    ordered, index = plan_datasets(final, comm, size, tensors, pieces, local_problem)
+    ub = userblock_size_for(len(ordered))
+    created = None
+    if rank == 0:   # rank 0's attributes, as under mpio
+        created = _create_file(final, ordered, _with_order(attrs, ordered, order_groups), ub)
+    created = comm.bcast(created, root=0) if size > 1 else created
+    tmp, offsets, problem = created
+    if problem:   # every rank has rank 0's message: no agreement needed
+        raise CheckpointError(problem)
+    fd, error = None, None
+    try:
+        fd = os.open(tmp, os.O_WRONLY)
+    except OSError as exc:
+        error = CheckpointError(f"{final}: rank {rank} cannot open the temporary file {tmp} "
+                                f"that rank 0 created ({exc.strerror}): the ranks need a "
+                                f"file system they share")
+    try:
+        agree_error(comm, error)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        if rank == 0:
+            _remove_quietly(tmp)
+        raise
+    return LaidOut(final, tmp, list(ordered), index, list(offsets), ub, fd)
+
+
+def _create_file(final: str, ordered: Sequence[TensorRecord], attrs: dict[str, dict[str, Any]],
+                 ub: int) -> tuple[str | None, list[int], str | None]:
+    """Rank 0: the temporary file with every dataset allocated; its name, the
+    datasets' offsets, and the problem (a message) or None."""
+    folder = os.path.dirname(final)
+    if not os.path.isdir(folder):
+        return None, [], f"{final}: folder {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return None, [], f"{final}: folder {folder} is not writable"
+    tmp = f"{final}{TEMP_MARK}{secrets.token_hex(4)}"
+    try:
+        import h5py
+
+        with h5py.File(tmp, "w", userblock_size=ub, libver=LIBVER, locking=False,
+                       alignment_threshold=_ALIGN_THRESHOLD, alignment_interval=_ALIGN) as f:
+            dsets = _create_early(f, ordered, attrs)
+            offsets = [int(dsets[t.path].id.get_offset() or 0) if t.size else 0
+                       for t in ordered]
+        return tmp, offsets, None
+    except Exception as exc:
+        _remove_quietly(tmp)
+        return None, [], f"{final}: cannot create {tmp}: {exc}"
+
+
+def _create_early(f: Any, ordered: Sequence[TensorRecord],
+                  attrs: dict[str, dict[str, Any]]) -> dict:
+    """`_create` with the space of every dataset allocated at once (so it has
+    its offset) and a zero ``checksum`` attribute to fill in at the seal."""
+    import h5py
+
+    for g in sorted({t.group for t in ordered} | {g for g in attrs if g != "/"}):
+        f.require_group(g)
+    dsets = {}
+    for t in ordered:
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        d = f.create_dataset(t.path, shape=t.shape, dtype=np.dtype(t.dtype), dcpl=dcpl)
+        d.attrs["checksum"] = np.zeros(2, dtype=np.uint64)
+        dsets[t.path] = d
+    for g in sorted(attrs):
+        _set_attrs(f if g == "/" else f[g], attrs[g])
+    return dsets
+
+
+def block_runs(block: Block, shape: Sequence[int], itemsize: int) -> list[tuple[int, int]]:
+    """``(byte offset in the dataset, byte length)`` of the C-order runs of
+    ``block`` of a contiguous dataset of ``shape``, in the block's C order."""
+    if not shape:
+        return [(0, itemsize)]
+    d = len(shape) - 1
+    while d > 0 and block[d].start == 0 and block[d].stop == shape[d]:
+        d -= 1
+    inner = int(np.prod(shape[d + 1:], dtype=np.int64))
+    strides = [int(np.prod(shape[j + 1:], dtype=np.int64)) for j in range(len(shape))]
+    length = (block[d].stop - block[d].start) * inner * itemsize
+    if length == 0:
+        return []
+    outer = [range(s.start, s.stop) for s in block[:d]]
+    runs = []
+    for index in np.ndindex(*[len(r) for r in outer]) if outer else [()]:
+        at = sum((outer[j][i]) * strides[j] for j, i in enumerate(index))
+        runs.append(((at + block[d].start * strides[d]) * itemsize, length))
+    return runs
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    """The array that owns ``a``'s memory (the last ndarray of its ``base`` chain)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def file_runs(pieces: Sequence[Piece], laid: LaidOut) -> list[tuple[int, memoryview]]:
+    """``(file offset, bytes)`` of every run of ``pieces`` (C-contiguous
+    arrays), adjacent runs merged where their bytes are adjacent in the same
+    array too."""
+    merged: list[list[Any]] = []   # [file offset, address, length, owner]
+    for c in pieces:
+        owner = _root(c.data)
+        address = _address(c.data)
+        base = laid.offsets[laid.index[c.tensor.path]]
+        for offset, length in block_runs(c.block, c.tensor.shape, c.data.dtype.itemsize):
+            start = base + offset
+            last = merged[-1] if merged else None
+            if (last is not None and last[3] is owner and last[0] + last[2] == start
+                    and last[1] + last[2] == address):
+                last[2] += length
+            else:
+                merged.append([start, address, length, owner])
+            address += length
+    out = []
+    for start, address, length, owner in merged:
+        raw = owner.reshape(-1).view(np.uint8)
+        at = address - _address(raw)
+        out.append((start, memoryview(raw[at:at + length])))
+    return out
+
+
+def pwrite_runs(fd: int, runs: Sequence[tuple[int, memoryview]], piece: int = CHUNK_BYTES,
+                after: Any = None) -> None:
+    """Write ``runs`` at their offsets, ``piece`` bytes per call; ``after(n)``
+    after each call that wrote ``n`` bytes. POSIX only: no MPI, no HDF5."""
+    for offset, data in runs:
+        for at in range(0, len(data), piece):
+            chunk, where = data[at:at + piece], offset + at
+            n = len(chunk)
+            while len(chunk):
+                wrote = os.pwrite(fd, chunk, where)
+                if wrote <= 0:
+                    raise OSError(f"pwrite wrote {wrote} bytes at offset {where}")
+                chunk, where = chunk[wrote:], where + wrote
+            if after is not None:
+                after(n)
+
+
+def seal_laid_out(comm: FlatComm | None, laid: LaidOut, error: BaseException | None,
+                  table: np.ndarray | None, durable: bool) -> None:
+    """After every rank wrote (or failed): agree on ``error``, add the partial
+    checksums ``table`` (``Allreduce``), and let rank 0 put them in place, seal,
+    rename to the final name and ``fsync`` the folder. Collective over ``comm``.
+
+    Raises:
+        CheckpointError: on every rank when some rank failed, or sealing did
+            (the temporary file is removed; nothing appears at the final name).
+    """
+    rank = 0 if comm is None else comm.rank
+    try:
+        agree_error(comm, error)
+    except BaseException:
+        if rank == 0:
+            _remove_quietly(laid.tmp)
+        raise
+    if comm is not None and comm.size > 1:
+        # MPI_SUM on unsigned 64-bit integers wraps modulo 2**64, as the checksum does.
+        comm.Allreduce(table, slot="checkpoint-checksums")
+    error = None
+    if rank == 0:
+        try:
+            _seal(laid, table, durable)
+        except Exception as exc:
+            error = CheckpointError(f"{laid.final}: sealing or renaming failed: {exc}")
+            _remove_quietly(laid.tmp)
+    agree_error(comm, error)
+
+
+def _seal(laid: LaidOut, table: np.ndarray, durable: bool) -> None:
+    """Rank 0: checksums in place, the seal, fsync, rename, fsync of the folder."""
+    import h5py
+
+    with h5py.File(laid.tmp, "r+", locking=False) as f:
+        for t, row in zip(laid.ordered, table):
+            f[t.path].attrs.modify("checksum", row)
+    seal_file(laid.tmp, laid.userblock, laid.extents, durable=durable)
+    os.replace(laid.tmp, laid.final)
+    if durable:
+        _fsync_folder(os.path.dirname(laid.final))
+
+
+def _write_direct(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
+                  pieces: Sequence[Piece], attrs: dict[str, dict[str, Any]], durable: bool,
+                  order_groups: tuple) -> str:
+    """The synchronous direct write: `lay_out`, this rank's runs with ``pwrite``
+    while a helper thread checksums them, ``fsync``, `seal_laid_out`."""
+    dense = [p if p.data.flags.c_contiguous else Piece(p.tensor, p.block,
+                                                       np.ascontiguousarray(p.data))
+             for p in pieces]
+    laid = lay_out(final, comm, tensors, dense, attrs, order_groups)
+    count = len(laid.ordered)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpishard-checksum")
+    error, table = None, None
+    writeback = _Writeback(laid.tmp, durable)
+    try:
+        sums = pool.submit(_checksums, dense, laid.index, count)
+        try:
+            pwrite_runs(laid.fd, file_runs(dense, laid), after=writeback.wrote)
+            if durable:
+                os.fsync(laid.fd)
+        except Exception as exc:
+            error = CheckpointError(f"{laid.tmp}: writing failed on rank "
+                                    f"{0 if comm is None else comm.rank}: {exc}")
+        try:
+            table = np.array([s.to_array() for s in sums.result()],
+                             dtype=np.uint64).reshape(count, 2)
+        except Exception as exc:
+            table = np.zeros((count, 2), dtype=np.uint64)
+            error = error or CheckpointError(f"{laid.tmp}: checksumming failed: {exc}")
+    finally:
+        pool.shutdown(wait=True)
+        writeback.close()
+        os.close(laid.fd)
+    seal_laid_out(comm, laid, error, table, durable)
+    return final
 
 
 def _sync_file_range() -> Any:

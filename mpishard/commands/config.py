@@ -123,9 +123,8 @@ OPTIONS: tuple[Option, ...] = (
            "at the end and when stopped by a signal)", _G_CKPT, metavar="N"),
     Option("keep", "int", 3, "checkpoints kept in the folder", _G_CKPT),
     Option("async_checkpoints", "bool", None, "write checkpoints in the background: the "
-           "step waits only for a copy of the state (default: on, except where ZeRO-3 "
-           "syncs the data group, where it measured slower; --no-async-checkpoints: "
-           "the synchronous save)", _G_CKPT),
+           "step waits only for a copy of the state (default: on; "
+           "--no-async-checkpoints: the synchronous save)", _G_CKPT),
     Option("resume", "resume", False, "continue from the latest checkpoint in the folder "
            "(or from FILE); with none there, start from scratch", _G_CKPT, metavar="FILE"),
     Option("progress", "bool", None, "a progress bar on rank 0 (default: when the output "

@@ -356,12 +356,12 @@ def _logical_parameters(config: Any, model: Any) -> int:
 
 
 def _async_checkpoints(s: Settings) -> bool:
-    """``--async-checkpoints``, or its default: on where measured faster (DDP; the
-    one ZeRO-3 sample was slower, docs/guide/checkpoints.md). Pure."""
+    """``--async-checkpoints``, or its default: on, for every strategy (measured
+    faster for DDP, and for ZeRO-3 in the run of 2026-11-28, whose windows
+    contradict the single slower sample before it: docs/guide/checkpoints.md). Pure."""
     if s.async_checkpoints is not None:
         return bool(s.async_checkpoints)
-    zero3 = (s.data_parallel if s.strategy == "hybrid" else s.strategy) == "zero3"
-    return not zero3
+    return True
 
 
 def _checkpoints(run: Run, comm: FlatComm) -> None:

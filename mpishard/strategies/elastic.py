@@ -77,6 +77,15 @@ class ElasticOptimizer(Strategy):
         checkpoint_every: steps between periodic checkpoints (None: only on a
             signal and at the end).
         keep: checkpoints kept in the folder.
+        async_checkpoints: write the periodic checkpoints in the background
+            (``CheckpointManager(async_=True)``: the step goes on while the file
+            is written; `mpishard.checkpoint.background`; the default, as
+            ``mpishard train --async-checkpoints``). A checkpoint taken at a
+            stop (a resize, a preemption, the end) or by
+            [`checkpoint`][mpishard.strategies.elastic.ElasticOptimizer.checkpoint]
+            is complete on disk before the call returns, so a relaunch finds only
+            complete files; a save in flight when a rank is lost (ULFM) is
+            discarded, never committed half written.
         batch_policy: see `BATCH_POLICIES`.
         reference_workers: the worker count the base learning rate is meant for
             (``scale-lr`` only): lr = base lr x workers / reference_workers.
@@ -99,7 +108,8 @@ class ElasticOptimizer(Strategy):
                  min_workers: int | None = None, max_workers: int | None = None, *,
                  strategy: str = "ddp",
                  checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
-                 keep: int = 3, batch_policy: str = "fixed-global",
+                 keep: int = 3, async_checkpoints: bool = True,
+                 batch_policy: str = "fixed-global",
                  reference_workers: int = 1, exit_on_signal: bool = False,
                  **options: Any) -> None:
         config = config if config is not None else ShardingConfiguration()
@@ -133,7 +143,7 @@ class ElasticOptimizer(Strategy):
         self.exit_on_signal = exit_on_signal
         super().__init__(STRATEGIES[strategy].core_class(optimizer, config, **options))
         self.base_lr = optimizer.lr
-        self.manager = (CheckpointManager(checkpoint_dir, keep=keep)
+        self.manager = (CheckpointManager(checkpoint_dir, keep=keep, async_=async_checkpoints)
                         if checkpoint_dir is not None else None)
         self.resumed_from: str | None = None
         self.recovery_seconds: float | None = None
@@ -193,10 +203,13 @@ class ElasticOptimizer(Strategy):
         self._stop.request(reason)
 
     def checkpoint(self, model: Any) -> str | None:
-        """Save now, into ``checkpoint_dir``. Collective over the data group."""
+        """Save now, into ``checkpoint_dir``: on disk, complete, when this returns
+        (before a planned change). Collective over the world."""
         if self.manager is None:
             return None
-        return self.manager.save(model, self.core)
+        path = self.manager.save(model, self.core)
+        self.manager.wait()
+        return path
 
     # --- training -------------------------------------------------------------------
     def global_batch(self, batch_size: int | None) -> int | None:

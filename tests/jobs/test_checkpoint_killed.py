@@ -31,7 +31,7 @@ manager = CheckpointManager(folder, keep=3)
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("driver", ["mpio", "serial"])
+@pytest.mark.parametrize("driver", ["direct", "mpio", "serial"])
 def test_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path, driver, mpirun):
     folder = str(tmp_path / "run")
     code, out, _ = mpirun(2, TRAIN.format(folder=folder) + f"""
@@ -44,16 +44,18 @@ if comm.rank == 0:
     np.save(os.path.join(folder, "exp_avg-4.npy"), state["exp_avg"])
 zero2.optimize(model, (x, y), epochs=2, batch_size=16)        # epochs is the total
 import h5py
-writer = 1 if {driver!r} == "mpio" else 0                       # the rank that calls HDF5 writes
+writer = 0 if {driver!r} == "serial" else 1                     # the rank that writes data
 if comm.rank == writer:
-    real = h5py.Dataset.write_direct
+    # direct: os.pwrite; the HDF5 drivers: h5py's write_direct
+    owner, name = (os, "pwrite") if {driver!r} == "direct" else (h5py.Dataset, "write_direct")
+    real = getattr(owner, name)
     calls = []
-    def dying(self, *args, **kwargs):
+    def dying(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             os.kill(os.getpid(), signal.SIGKILL)               # mid-save, one piece written
-        return real(self, *args, **kwargs)
-    h5py.Dataset.write_direct = dying
+        return real(*args, **kwargs)
+    setattr(owner, name, dying)
 manager.save(model, zero2)                                    # step 8: killed
 print("unreachable")
 """)

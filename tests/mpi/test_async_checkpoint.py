@@ -28,7 +28,7 @@ from mpishard.checkpoint import (
 )
 from mpishard.nn import MLP
 from mpishard.optim import AdamW
-from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer, ZeRO3Optimizer
+from mpishard.strategies import DDPOptimizer, ElasticOptimizer, ZeRO2Optimizer, ZeRO3Optimizer
 
 pytestmark = pytest.mark.mpi
 
@@ -216,3 +216,34 @@ def test_discarded_save_leaves_no_file(mpi_tmp_path):
     assert not os.listdir(mpi_tmp_path)
     path = save_checkpoint(mpi_tmp_path / "next.h5", model, strategy, asynchronous=True)
     assert wait_for_checkpoint() == path and os.path.exists(path)
+
+
+def test_elastic_stop_while_a_save_is_in_flight_completes_it(mpi_tmp_path, monkeypatch):
+    # A resize (request_stop, as SIGUSR1) right after an interval save started: the
+    # stop's checkpoint commits the save in flight first, and both are complete on
+    # disk when optimize() returns, for the agent's relaunch.
+    monkeypatch.setenv(background.SLOW_ENV, "32,0.02")   # about a second per save
+    model = MLP(SIZES, activation="tanh", seed=7, dtype=np.float64)
+    opt = ElasticOptimizer(AdamW(lr=3e-3), ShardingConfiguration(WORLD),
+                           checkpoint_dir=str(mpi_tmp_path), checkpoint_every=2, keep=None)
+    assert opt.manager.async_
+    in_flight = []
+
+    def callback(step, loss):
+        if step == 3:
+            in_flight.append(background.pending_checkpoint())
+            opt.request_stop("resize")
+
+    result = opt.optimize(model, make_data(), epochs=3, batch_size=BATCH, callback=callback)
+    assert opt.stop_reason == "resize" and opt.exit_code == 75
+    assert in_flight == [str(mpi_tmp_path / "ckpt-0000000002.h5")]
+    assert background.pending_checkpoint() is None
+    assert [s for s, _ in opt.manager.checkpoints()] == [2, 3]
+    assert result.checkpoint == str(mpi_tmp_path / "ckpt-0000000003.h5")
+    if WORLD.rank == 0:
+        for _, path in opt.manager.checkpoints():
+            verify_checkpoint(path)
+        assert not [n for n in os.listdir(mpi_tmp_path) if ".tmp-" in n]
+    fresh = MLP(SIZES, activation="tanh", seed=8, dtype=np.float64)
+    load_checkpoint(result.checkpoint, fresh)
+    assert np.array_equal(fresh.params, model.params)

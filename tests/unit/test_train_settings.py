@@ -58,14 +58,14 @@ def test_unknown_config_key_lists_the_valid_ones(tmp_path):
 @pytest.mark.parametrize("given, expected", [
     ({"strategy": "ddp"}, True),
     ({"strategy": "zero2"}, True),
-    ({"strategy": "zero3"}, False),
-    ({"strategy": "hybrid", "data_parallel": "zero3", "tp": 2}, False),
+    ({"strategy": "zero3"}, True),
+    ({"strategy": "hybrid", "data_parallel": "zero3", "tp": 2}, True),
     ({"strategy": "hybrid", "data_parallel": "ddp", "tp": 2}, True),
     ({"strategy": "zero3", "async_checkpoints": True}, True),
     ({"strategy": "ddp", "async_checkpoints": False}, False),
 ])
 def test_async_checkpoints_default_where_measured_faster(given, expected):
-    """On by default except where ZeRO-3 syncs the data group (docs/guide/checkpoints.md)."""
+    """On by default for every strategy (docs/guide/checkpoints.md); the flag decides."""
     from mpishard.commands.train import _async_checkpoints
 
     run, = plan_runs({"example": "burgers", **given}, 4)

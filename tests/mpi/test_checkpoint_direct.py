@@ -1,0 +1,92 @@
+"""The direct write (``driver="direct"``, what ``"auto"`` chooses): rank 0 lays the
+file out, every rank ``pwrite``s its bytes into it, one commit.
+
+Run under ``mpirun -n N python -m pytest --with-mpi -m mpi`` for N = 1, 2, 4. The
+reference of every test is the HDF5 write in the same run (``mpio`` where h5py
+has MPI, and ``serial``): the files are equal bit for bit in every dataset,
+checksum and attribute (but ``created``), and load into the same state.
+"""
+
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+import pytest
+from layouts import hybrid, mlp_data
+from mpi4py import MPI
+from test_async_checkpoint import assert_same_file, make, make_data, params_of
+
+from mpishard import CheckpointError
+from mpishard.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
+from mpishard.checkpoint import write as checkpoint_write
+from mpishard.checkpoint.collective import DRIVER_ENV
+
+pytestmark = pytest.mark.mpi
+
+WORLD = MPI.COMM_WORLD
+HDF5_DRIVERS = ["serial"] + (["mpio"] if h5py.get_config().mpi else [])
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero2", "zero3"])
+def test_direct_file_is_the_hdf5_drivers_file(name, mpi_tmp_path):
+    model, strategy = make(name)
+    strategy.optimize(model, make_data(), epochs=1, batch_size=24)
+    direct = save_checkpoint(mpi_tmp_path / "direct.h5", model, strategy, driver="direct")
+    others = [save_checkpoint(mpi_tmp_path / f"{d}.h5", model, strategy, driver=d)
+              for d in HDF5_DRIVERS]
+    if WORLD.rank == 0:
+        for other in others:
+            assert_same_file(direct, other)
+        verify_checkpoint(direct)
+        assert not [n for n in os.listdir(mpi_tmp_path) if ".tmp-" in n]
+    saved = params_of(model, strategy)
+    model, strategy = make(name)
+    info = load_checkpoint(direct, model, strategy)
+    assert info.step == strategy.step_count == 4
+    assert np.array_equal(params_of(model, strategy), saved)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tensor_parallel_slices_are_written_where_hdf5_puts_them(tp, mpi_tmp_path):
+    # tp=2: each rank's pieces are column slices of split weights, runs of one row each.
+    if WORLD.size % tp:
+        pytest.skip(f"tp={tp} needs a world size divisible by it, got {WORLD.size}")
+    model, opt = hybrid(WORLD, tp, 1, "zero2", reduce_method="reduce_scatter")
+    opt.optimize(model, mlp_data(), epochs=1, batch_size=16)
+    direct = save_checkpoint(mpi_tmp_path / "direct.h5", model, opt, driver="direct")
+    serial = save_checkpoint(mpi_tmp_path / "serial.h5", model, opt, driver="serial")
+    if WORLD.rank == 0:
+        assert_same_file(direct, serial)
+    WORLD.Barrier()
+
+
+def test_auto_is_direct_unless_the_environment_names_a_driver(monkeypatch):
+    monkeypatch.delenv(DRIVER_ENV, raising=False)
+    assert checkpoint_write.choose_driver("auto", 4) == "direct"
+    assert checkpoint_write.choose_driver("auto", 1) == "direct"
+    monkeypatch.setenv(DRIVER_ENV, "serial")
+    assert checkpoint_write.choose_driver("auto", 4) == "serial"
+    assert checkpoint_write.choose_driver("direct", 4) == "direct"   # the argument wins
+    monkeypatch.setenv(DRIVER_ENV, "direct")
+    assert checkpoint_write.choose_driver("auto", 4) == "direct"
+    with pytest.raises(ValueError, match="'auto', 'direct', 'mpio', 'serial'.*'posix'"):
+        checkpoint_write.choose_driver("posix", 4)
+
+
+def test_failed_direct_write_is_raised_on_every_rank(mpi_tmp_path, monkeypatch):
+    model, strategy = make("zero2")
+    strategy.optimize(model, make_data(), epochs=1, batch_size=24)
+    good = save_checkpoint(mpi_tmp_path / "good.h5", model, strategy, driver="direct")
+    if WORLD.rank == WORLD.size - 1:
+        def failing(*args):
+            raise OSError(28, "No space left on device (injected)")
+        monkeypatch.setattr(checkpoint_write.os, "pwrite", failing)
+    with pytest.raises(CheckpointError, match=f"failed on rank {WORLD.size - 1}.*injected"):
+        save_checkpoint(mpi_tmp_path / "bad.h5", model, strategy, driver="direct")
+    monkeypatch.undo()
+    WORLD.Barrier()
+    assert not os.path.exists(mpi_tmp_path / "bad.h5")
+    assert not [n for n in os.listdir(mpi_tmp_path) if ".tmp-" in n]
+    load_checkpoint(good, model, strategy)   # the previous one is untouched
