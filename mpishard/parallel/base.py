@@ -27,9 +27,9 @@ from ..comm import FlatComm, stuck
 from ..comm.buckets import GradientBuckets
 from ..config import ShardingConfiguration
 from ..errors import CommunicationError, MpiShardError, TopologyError
-from ..flat import Range, bucket_ranges
+from ..flat import Range, bucket_ranges, shard_ranges
 from ..optim.clip import clip_coefficient
-from ..protocols import BACKWARD, FORWARD, BucketedModel, Model, Optimizer
+from ..protocols import BACKWARD, FORWARD, BucketedModel, Model, Optimizer, built_shard_of
 from .options import NONFINITE_POLICIES, DataParallelOptions, OptionsHome
 from .overlap import decide_overlap
 from .placement import Placement
@@ -88,6 +88,9 @@ class DataParallelCore(OptionsHome, Progress):
     _gradient_factor = 1.0
     #: This rank adds its rows and loss to the step's totals (one rank per model replica).
     _counts_rows = True
+    #: Attaches a model built in shards ([`BuiltInShards`][mpishard.protocols.BuiltInShards]):
+    #: its parameters stay sharded (ZeRO-3).
+    takes_built_shards = False
 
     def __init__(self, optimizer: Optimizer, config: ShardingConfiguration | None = None, *,
                  model: Model | None = None, **options: Any) -> None:
@@ -209,17 +212,24 @@ class DataParallelCore(OptionsHome, Progress):
 
     def attach(self, model: Model) -> None:
         """Check ``model``, make every replica start from rank 0's parameters and
-        set up the two parts. Collective over ``groups.dp`` (the world for a 3D
-        layout).
+        set up the two parts. A model built in shards
+        ([`BuiltInShards`][mpishard.protocols.BuiltInShards], ZeRO-3 only) starts
+        from the shards it holds. Collective over ``groups.dp`` (the world for a
+        3D layout).
 
         Raises:
             TypeError: not a model, or parameters that are not float32/float64
                 1-D arrays (on every rank).
+            ValueError: built in shards for a core that needs the whole vector,
+                or with another rank's shard (on every rank).
             MpiShardError: the parameter count or dtype differs between ranks.
         """
         started = time.perf_counter()
-        self.dp.agree(_model_problem(model), TypeError)
-        n, dtype = model.params.size, model.params.dtype.str
+        built = built_shard_of(model)   # (range, values): built in shards, nothing whole
+        self.dp.agree(_model_problem(model) if built is None else None, TypeError)
+        self.dp.agree(self._built_problem(model, built), ValueError)
+        values = model.params if built is None else built[1]
+        n, dtype = model.layout.size, values.dtype.str
         every = self.dp.allgather((n, dtype))
         if len(set(every)) > 1:
             detail = ", ".join(f"rank {r} has {c} {np.dtype(d).name}"
@@ -227,8 +237,8 @@ class DataParallelCore(OptionsHome, Progress):
             raise MpiShardError(f"parameters differ between data-parallel ranks: {detail}")
         self._release()   # attached before
         self.model = model
-        self.xp = array_namespace(model.params)
-        self.dtype = model.params.dtype
+        self.xp = array_namespace(values)
+        self.dtype = values.dtype
         self.layout = model.layout
         self._accumulates = _accepts_keyword(model.forward_backward, "accumulate")
         self._scales_loss = _accepts_keyword(model.forward_backward, "loss_scale")
@@ -236,9 +246,12 @@ class DataParallelCore(OptionsHome, Progress):
         self.sets_batch_context = hasattr(model, "set_batch_context")
         reduction = self._new_reduction()
         self.buckets = self._buckets(model, reduction)
-        self.dp.Bcast(model.params, root=0)
-        if model.grads is None and isinstance(model, BucketedModel):
-            _own_gradient(model, self.xp)
+        if built is None:   # built in shards: every rank's shard is the seed's already
+            self.dp.Bcast(model.params, root=0)
+        # A reduction whose buckets are slots binds the model's gradient to them.
+        binds = self.bucketed and reduction.slots > 0
+        if model.grads is None and isinstance(model, BucketedModel) and not binds:
+            _own_gradient(model, self.xp, self.dtype)
         reduction.attach(model, self.xp, self.buckets, self.bucketed, self._accumulates,
                          self.totals.check_local)
         self.reduction = reduction
@@ -267,14 +280,14 @@ class DataParallelCore(OptionsHome, Progress):
         # Reproducible mode reduces binned sums at step(), not buckets during the backward.
         can_overlap = (isinstance(model, BucketedModel) and self._scales_loss
                        and not self.config.reproducible)
-        bucket_elements = max(1, int(self.bucket_mb * 2**20) // model.params.itemsize)
+        bucket_elements = max(1, int(self.bucket_mb * 2**20) // self.dtype.itemsize)
         ranges = bucket_ranges(model.layout, bucket_elements)
         #: overlap="auto" or "measure": how it was decided (.overlap.decide_overlap).
         self.overlap_timings: dict[str, Any] = {}
         if isinstance(self.overlap, str) and can_overlap:   # "auto" or "measure"
             #: The buckets are reduced during the backward (``overlap`` resolved).
             self.bucketed = decide_overlap(self.dp, self._step_group(), ranges,
-                                           model.params.dtype, self.xp, reduction.probe_kind(),
+                                           self.dtype, self.xp, reduction.probe_kind(),
                                            reduction.slots, self.overlap_timings,
                                            nodes=self.config.groups.nodes,
                                            measure=self.overlap == "measure")
@@ -289,6 +302,22 @@ class DataParallelCore(OptionsHome, Progress):
 
     def _setup(self) -> None:
         """After the reduction is set up (a hybrid core's pipeline factors)."""
+
+    def _built_problem(self, model: Model, built: tuple[Range, Any] | None) -> str | None:
+        """Why this core cannot take ``model``, built in shards, or None."""
+        if built is None:
+            return None
+        if not self.takes_built_shards:
+            return (f"the model was built in ZeRO-3 shards (it holds elements "
+                    f"[{built[0].start}, {built[0].stop}) of {model.layout.size}); "
+                    f"{self.public} needs the whole vector: build it without shard=")
+        mine = shard_ranges(model.layout.size, self.dp.size)[self.dp.rank]
+        if built[0] != mine:
+            return (f"the model was built with the shard [{built[0].start}, {built[0].stop}) "
+                    f"of its {model.layout.size} parameters, but data-parallel rank "
+                    f"{self.dp.rank} of {self.dp.size} holds [{mine.start}, {mine.stop}): "
+                    f"build it with shard=ParameterShard({self.dp.rank}, {self.dp.size})")
+        return None
 
     def _require_model(self) -> Model:
         if self.model is None:
@@ -583,11 +612,11 @@ class DataParallelCore(OptionsHome, Progress):
         return [Range(0, self.layout.size)]
 
 
-def _own_gradient(model: Any, xp: Any) -> None:
+def _own_gradient(model: Any, xp: Any, dtype: Any) -> None:
     """Give ``model`` one full gradient vector again: a strategy it was attached to
-    before (ZeRO-2) bound its gradients to that strategy's bucket buffers, and
-    ``grads`` was None. Made once, at attach."""
-    grads = xp.zeros(model.params.size, dtype=model.params.dtype)
+    before (ZeRO-2) bound its gradients to that strategy's bucket buffers, or it
+    was built in shards, and ``grads`` was None. Made once, at attach."""
+    grads = xp.zeros(model.layout.size, dtype=dtype)
     layout = model.layout
 
     def view(name: str) -> Any:

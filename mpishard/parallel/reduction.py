@@ -33,6 +33,7 @@ from ..comm.timing import agree_on_fastest, reduce_once, time_alternatives
 from ..config import ShardingConfiguration
 from ..errors import MpiShardError
 from ..flat import Range, shard_ranges
+from ..protocols import built_shard_of
 from .options import REDUCE_METHODS
 from .reproexchange import WordShards
 from .totals import StepTotals
@@ -247,7 +248,7 @@ class Allreduced(GradientReduction):
         """The ranges of ``norm_vector`` whose squares this rank sums, from the
         world ranges its replica owns: every replica holds the same sum, so each
         counts its 1/N of it (the check costs 1/N of a pass)."""
-        mine = shard_ranges(self.model.params.size, self.dp.size)[self.dp.rank]
+        mine = shard_ranges(self.model.layout.size, self.dp.size)[self.dp.rank]
         return [r.intersect(mine) for r in owned]
 
     def norm_vector(self) -> Any:
@@ -269,7 +270,7 @@ class Allreduced(GradientReduction):
     def repro_target(self) -> tuple[Any, int, int]:
         """``(out, start, stop)``: the world range of the sum this rank holds, and
         the array it goes into."""
-        return self.vector, 0, self.model.params.size
+        return self.vector, 0, self.model.layout.size
 
     def repro_shards(self) -> list[Range] | None:
         """Every rank's range of the sum where each holds its own only; None here."""
@@ -328,7 +329,9 @@ class ReducedToShards(GradientReduction):
         """As [`Allreduced.attach`][mpishard.parallel.reduction.Allreduced.attach];
         bucketed, the model's gradients are bound to the bucket buffers. Collective
         over the training group (the method and reducer are measured)."""
-        dp, n, dtype = self.dp, model.params.size, model.params.dtype
+        # A model built in shards (params None) has only its shard's values yet.
+        values = model.params if model.params is not None else built_shard_of(model)[1]
+        dp, n, dtype = self.dp, model.layout.size, values.dtype
         self.model, self.xp, self.buckets, self.bucketed = model, xp, buckets, bucketed
         self._check = check
         self.shards = shard_ranges(n, dp.size)
