@@ -23,6 +23,7 @@ __all__ = [
     "MpiShardError",
     "NonFiniteError",
     "ParamLayout",
+    "ParameterShard",
     "ProcessGroups",
     "Range",
     "ShardingConfiguration",
@@ -36,6 +37,7 @@ _WHERE = {
     "NonFiniteError": "errors", "CheckpointWarning": "errors", "HandOver": "errors",
     "DataPositionWarning": "errors", "InexactRecoveryWarning": "errors",
     "TopologyError": "errors", "ParamLayout": "flat", "Range": "flat",
+    "ParameterShard": "flat",
     "ProcessGroups": "comm.groups", "ShardingConfiguration": "config", "Topology": "topology",
 }
 

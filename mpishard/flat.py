@@ -23,6 +23,7 @@ import numpy as np
 
 __all__ = [
     "ParamLayout",
+    "ParameterShard",
     "Range",
     "TensorSpec",
     "bucket_ranges",
@@ -133,10 +134,13 @@ class ParamLayout:
         """The world range of tensor ``name``."""
         return self[name].range
 
-    def view(self, flat: Any, name: str) -> Any:
-        """A view of tensor ``name`` in ``flat`` (NumPy or CuPy), at its shape."""
+    def view(self, flat: Any, name: str, base: int = 0) -> Any:
+        """A view of tensor ``name`` in ``flat`` (NumPy or CuPy), at its shape;
+        ``flat[x - base]`` is element ``x`` of the vector (``base``: where a
+        piece of it starts)."""
         spec = self[name]
-        return flat[spec.offset:spec.offset + spec.size].reshape(spec.shape)
+        at = spec.offset - base
+        return flat[at:at + spec.size].reshape(spec.shape)
 
     def views(self, flat: Any) -> dict[str, Any]:
         """Views of every tensor, by name."""
@@ -215,6 +219,29 @@ def split_range(n: int, parts: int, rank: int) -> Range:
     base, extra = divmod(n, parts)
     start = rank * base + min(rank, extra)
     return Range(start, start + base + (rank < extra))
+
+
+@dataclass(frozen=True)
+class ParameterShard:
+    """Build a model's parameters in ZeRO-3 shards: only data-parallel rank
+    ``rank``'s shard of ``ranks``, ``shard_ranges(n, ranks)[rank]`` of its flat
+    vector of ``n`` elements (the model's layout decides ``n``).
+
+    Raises:
+        ValueError: ``ranks < 1`` or ``rank`` outside ``[0, ranks)``.
+    """
+
+    rank: int
+    ranks: int
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or not 0 <= self.rank < self.ranks:
+            raise ValueError(f"expecting 0 <= rank < ranks, got rank={self.rank}, "
+                             f"ranks={self.ranks}")
+
+    def range(self, n: int) -> Range:
+        """This rank's shard of a vector of ``n`` elements."""
+        return shard_ranges(n, self.ranks)[self.rank]
 
 
 def shard_ranges(n: int, parts: int) -> list[Range]:

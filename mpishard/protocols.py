@@ -33,6 +33,8 @@ __all__ = [
     "PHASES",
     "BackwardHooks",
     "BucketedModel",
+    "BuiltInShards",
+    "built_shard_of",
     "CollectiveDataset",
     "Dataset",
     "DescribedModel",
@@ -170,6 +172,28 @@ class ShardableModel(Protocol):
     def bind_parameters(self, view: Callable[[str], Any], params: Any = None) -> None: ...
 
     def set_parameter_hooks(self, hooks: ParameterHooks | None) -> None: ...
+
+
+@runtime_checkable
+class BuiltInShards(ShardableModel, Protocol):
+    """A [`ShardableModel`][mpishard.protocols.ShardableModel] that may have been
+    built in ZeRO-3 shards (a [`LayerStack`][mpishard.nn.LayerStack] given
+    ``shard=``[`ParameterShard`][mpishard.flat.ParameterShard]): then its
+    ``params`` and ``grads`` are None and ``built_shard()`` is ``(r, values)``,
+    this rank's shard ``r`` of the whole model's flat vector, until a ZeRO-3
+    strategy attaches it (``bind_parameters`` ends it); otherwise None.
+    ``dtype``: the parameters' dtype.
+    """
+
+    dtype: Any
+
+    def built_shard(self) -> tuple[Range, Any] | None: ...
+
+
+def built_shard_of(model: Any) -> tuple[Range, Any] | None:
+    """``model.built_shard()`` for a [`BuiltInShards`][mpishard.protocols.BuiltInShards]
+    model, else None."""
+    return model.built_shard() if isinstance(model, BuiltInShards) else None
 
 
 @runtime_checkable

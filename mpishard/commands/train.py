@@ -321,6 +321,11 @@ def _model(s: Settings, config: Any, dtype: np.dtype, n_in: int, n_out: int,
         cls = ParallelMLP if s.strategy == "hybrid" else MLP
         factory = functools.partial(cls, sizes, activation=s.activation, loss="mse",
                                     dtype=dtype, seed=s.seed, xp=xp)
+    if s.strategy == "zero3":   # built in shards: nothing whole on any rank
+        from ..flat import ParameterShard
+
+        dp = config.groups.dp
+        return factory(shard=ParameterShard(dp.rank, dp.size))
     if s.strategy != "hybrid":
         return factory()
     from ..nn import HybridShardedModel

@@ -1,5 +1,6 @@
 """Layers and models whose parameters are views of one flat NumPy or CuPy vector."""
 
+from ..flat import ParameterShard
 from .activations import GELU, ReLU, Tanh
 from .attention import CausalSelfAttention
 from .base import BatchContext, Layer
@@ -44,6 +45,7 @@ __all__ = [
     "MSELoss",
     "ModelMethods",
     "ParallelMLP",
+    "ParameterShard",
     "ReLU",
     "RowParallelLinear",
     "Sequential",

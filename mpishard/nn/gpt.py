@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ..flat import ParameterShard
 from .activations import GELU, pair_bias_activations
 from .attention import CausalSelfAttention
 from .base import BatchContext, Layer
@@ -213,7 +214,8 @@ class GPT(Described, LayerStack):
     ``stage_layers=(start, stop)``: only those top-level layers, for a pipeline
     stage (see [`LayerStack`][mpishard.nn.LayerStack] for the stage
     API); the model has ``GPT.num_layers_of(n_layers) = n_layers + 2`` top-level
-    layers.
+    layers. ``shard``: build only that ZeRO-3 shard of the parameters (see
+    [`LayerStack`][mpishard.nn.LayerStack]).
 
     Raises:
         ValueError: a size that is not positive; ``d_model`` not divisible by
@@ -224,7 +226,8 @@ class GPT(Described, LayerStack):
 
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_heads: int,
                  n_layers: int, dtype: Any = np.float64, xp: Any = np, seed: int = 0, *,
-                 tp_comm: Any = None, stage_layers: tuple[int, int] | None = None) -> None:
+                 tp_comm: Any = None, stage_layers: tuple[int, int] | None = None,
+                 shard: ParameterShard | None = None) -> None:
         self.tp_comm = tensor_parallel_comm(tp_comm)
         p = 1 if self.tp_comm is None else self.tp_comm.size
         problem = None
@@ -252,7 +255,8 @@ class GPT(Described, LayerStack):
         layers.append(LMHead(d_model, vocab_size, self.tp_comm))
         loss = (SoftmaxCrossEntropy() if p == 1
                 else VocabParallelCrossEntropy(vocab_size, self.tp_comm))
-        super().__init__(layers, loss, dtype=dtype, xp=xp, seed=seed, stage_layers=stage_layers)
+        super().__init__(layers, loss, dtype=dtype, xp=xp, seed=seed, stage_layers=stage_layers,
+                         shard=shard)
 
     def config(self) -> dict[str, Any]:
         """The whole model as JSON ([`model_from_config`][mpishard.nn.model_from_config] builds it).

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ..flat import ParameterShard
 from .activations import GELU, ReLU, Tanh
 from .base import Layer
 from .dropout import Dropout
@@ -32,6 +33,8 @@ class MLP(Sequential):
     ``"2.weight"``, ...
 
     The dropout masks are seeded from ``seed`` too (see [`Dropout`][mpishard.nn.Dropout]).
+    ``shard``: build only that ZeRO-3 shard of the parameters (see
+    [`LayerStack`][mpishard.nn.LayerStack]).
 
     Raises:
         ValueError: fewer than two sizes, or an unknown activation or loss.
@@ -40,7 +43,8 @@ class MLP(Sequential):
 
     def __init__(self, sizes: Sequence[int], activation: str = "relu",
                  loss: str = "cross_entropy", dtype: Any = np.float64, xp: Any = np,
-                 seed: int = 0, layer_norm: bool = False, dropout: float = 0.0) -> None:
+                 seed: int = 0, layer_norm: bool = False, dropout: float = 0.0, *,
+                 shard: ParameterShard | None = None) -> None:
         sizes = [int(s) for s in sizes]
         if len(sizes) < 2:
             raise ValueError(f"expecting at least 2 sizes (input and output), got {sizes}")
@@ -60,7 +64,7 @@ class MLP(Sequential):
         self.sizes = sizes
         self._options = {"activation": activation, "loss": loss,
                          "layer_norm": bool(layer_norm), "dropout": float(dropout)}
-        super().__init__(layers, _LOSSES[loss](), dtype=dtype, xp=xp, seed=seed)
+        super().__init__(layers, _LOSSES[loss](), dtype=dtype, xp=xp, seed=seed, shard=shard)
 
     def config(self) -> dict[str, Any]:
         """``{"class": "MLP", "args": ...}``: the constructor's arguments but ``xp``."""

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import array_namespace
+from ..flat import ParameterShard
 from .base import Layer
 from .losses import Loss
 from .model_methods import ModelMethods, layer_metadata
@@ -35,7 +36,8 @@ class Sequential(ModelMethods, LayerStack):
 
     Parameters are initialised deterministically: layer ``i`` draws from
     ``numpy.random.default_rng([seed, i])`` on the host, so the same ``seed``
-    gives the same model on every rank and backend.
+    gives the same model on every rank and backend; ``shard`` builds only that
+    ZeRO-3 shard of it (see [`LayerStack`][mpishard.nn.LayerStack]).
 
     Activations and scratch are allocated on the first call with a batch shape
     and reused until the shape changes (training and inference keep separate
@@ -48,8 +50,8 @@ class Sequential(ModelMethods, LayerStack):
     """
 
     def __init__(self, layers: Sequence[Layer], loss: Loss, dtype: Any = np.float64,
-                 xp: Any = np, seed: int = 0) -> None:
-        super().__init__(layers, loss, dtype, xp, seed)
+                 xp: Any = np, seed: int = 0, *, shard: ParameterShard | None = None) -> None:
+        super().__init__(layers, loss, dtype, xp, seed, shard=shard)
 
     def config(self) -> dict[str, Any] | None:
         """``{"class": "Sequential", "args": {"layers", "loss", "dtype", "seed"}}``, the

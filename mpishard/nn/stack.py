@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import array_namespace
-from ..flat import ParamLayout, Range
+from ..flat import ParameterShard, ParamLayout, Range
 from ..protocols import BACKWARD, FORWARD, INFERENCE, BackwardHooks, ParameterHooks
 from .activations import pair_bias_activations
 from .base import BatchContext, Layer
@@ -63,6 +63,16 @@ class LayerStack:
     tensors, with exactly the values, that the whole model holds for its layers.
     A tensor-parallel layer draws its full logical tensors from that stream and
     keeps its slice (see [`tensor_shards`][mpishard.nn.LayerStack.tensor_shards]).
+
+    ``shard=ParameterShard(rank, ranks)`` ([`ParameterShard`][mpishard.flat.ParameterShard])
+    builds only that ZeRO-3 shard of the flat vector: each layer that overlaps it
+    is initialised alone in a scratch of the largest layer's size and the
+    overlap kept, so the shard holds exactly the bits the whole model would, at
+    any ``ranks``, and the peak is the shard plus about a layer. ``params`` and
+    ``grads`` are then None and the model runs only once a ZeRO-3 strategy has
+    attached it ([`built_shard`][mpishard.nn.LayerStack.built_shard];
+    [`ZeRO3Optimizer.build`][mpishard.strategies.zero3.ZeRO3Optimizer.build] builds
+    and attaches).
 
     Activations between layers may have any shape (``(rows, features)`` for an
     MLP, ``(batch, tokens, d_model)`` for a GPT). The loss is the mean over all
@@ -112,7 +122,8 @@ class LayerStack:
 
     def __init__(self, layers: Sequence[Layer], loss: Loss | None, dtype: Any = np.float64,
                  xp: Any = np, seed: int = 0, *,
-                 stage_layers: tuple[int, int] | None = None) -> None:
+                 stage_layers: tuple[int, int] | None = None,
+                 shard: ParameterShard | None = None) -> None:
         dt = np.dtype(dtype)
         if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise TypeError(f"expecting dtype float32 or float64, got {dt}")
@@ -142,18 +153,17 @@ class LayerStack:
                 self.layout.add(f"{i}.{local}", shape)
                 names.append((local, f"{i}.{local}"))
             self._names.append(names)
-        self.params = self.layout.allocate(dt, xp)
-        self.grads = self.layout.allocate(dt, xp)
-        self.xp = array_namespace(self.params)
-
         self._ranges: list[Range | None] = []
-        for j, layer in enumerate(self.layers):
-            i = start + j
-            views = {local: self.layout.view(self.params, name) for local, name in self._names[j]}
-            layer.build(i, self.xp, dt, views)
-            layer.init_params(np.random.default_rng([self.seed, i]))
-            specs = [self.layout[name] for _, name in self._names[j]]
+        for names in self._names:
+            specs = [self.layout[name] for _, name in names]
             self._ranges.append(Range(specs[0].offset, specs[-1].range.stop) if specs else None)
+        #: ``(range, values)``: this rank's shard of the vector, built in shards and
+        #: not attached yet (``built_shard``); None otherwise.
+        self._built: tuple[Range, Any] | None = None
+        if shard is not None and self.layout.size:
+            self._build_shard(xp, shard.range(self.layout.size))
+        else:
+            self._build_whole(xp)
         # act(x @ W + b) in one pass where an activation follows a Linear.
         pair_bias_activations(self.layers)
         # In a forward, the range whose parameter reads end with each layer: its
@@ -165,7 +175,9 @@ class LayerStack:
                 self._reads_end[j], self._reads_end[j + 1] = None, self._ranges[j]
         if self.criterion is not None:
             self.criterion.build(self.xp, dt)
-        self._grad_views = self._views_of(lambda name: self.layout.view(self.grads, name))
+        self._grad_views: list[dict[str, Any]] | None = (
+            None if self.grads is None else
+            self._views_of(lambda name: self.layout.view(self.grads, name)))
 
         # The first stage stops its backward at its first layer with parameters:
         # nothing needs the gradient of the data. Later stages go down to their
@@ -179,6 +191,43 @@ class LayerStack:
         self._calls = 0
         self._workspaces: dict[tuple[bool, int], _Workspace] = {}
         self._scratch: list[dict[str, Any]] | None = None
+
+    def _build_whole(self, xp: Any) -> None:
+        """Both whole vectors, each layer built on its views and initialised."""
+        self.params = self.layout.allocate(self.dtype, xp)
+        self.grads = self.layout.allocate(self.dtype, xp)
+        self.xp = array_namespace(self.params)
+        views = self._views_of(lambda name: self.layout.view(self.params, name))
+        for j, layer in enumerate(self.layers):
+            i = self.stage_layers[0] + j
+            layer.build(i, self.xp, self.dtype, views[j])
+            layer.init_params(np.random.default_rng([self.seed, i]))
+
+    def _build_shard(self, xp: Any, shard: Range) -> None:
+        """Only ``shard`` of the vector: each layer is built on one scratch the size
+        of the largest layer and, where its range overlaps ``shard``, initialised
+        there from its own stream and the overlap copied. The same bits as
+        ``_build_whole`` at any number of shards: layer ``i`` draws from
+        ``default_rng([seed, i])`` and nothing else. No gradient: the strategy
+        binds it."""
+        store = xp.zeros(len(shard), dtype=self.dtype)
+        self.xp = array_namespace(store)
+        self.params = self.grads = None
+        scratch = self.xp.empty(max(len(r) for r in self._ranges if r is not None),
+                                dtype=self.dtype)
+        for j, (layer, r) in enumerate(zip(self.layers, self._ranges)):
+            i = self.stage_layers[0] + j
+            base = r.start if r is not None else 0
+            layer.build(i, self.xp, self.dtype, {
+                local: self.layout.view(scratch, name, base) for local, name in self._names[j]})
+            mine = r.intersect(shard) if r is not None else Range(0, 0)
+            if r is None or len(mine):
+                layer.init_params(np.random.default_rng([self.seed, i]))
+            if len(mine):
+                store[mine.shift(shard.start).slice()] = scratch[mine.shift(base).slice()]
+        # The layers keep views of the scratch until bind_parameters builds them
+        # again on a strategy's buffers: the model cannot run before that.
+        self._built = (shard, store)
 
     # -- where this stage sits ------------------------------------------------------
 
@@ -342,6 +391,13 @@ class LayerStack:
         for j, layer in enumerate(self.layers):
             layer.build(self.stage_layers[0] + j, self.xp, self.dtype, views[j])
         self.params = params
+        self._built = None
+
+    def built_shard(self) -> tuple[Range, Any] | None:
+        """``(r, values)``: built in shards (``shard=``) and not attached yet, this
+        rank's shard ``r`` of the whole model's vector; else None
+        ([`BuiltInShards`][mpishard.protocols.BuiltInShards])."""
+        return self._built
 
     def set_parameter_hooks(self, hooks: ParameterHooks | None) -> None:
         """Call ``hooks.before(r, phase)`` / ``hooks.after(r, phase)`` around each
@@ -398,6 +454,11 @@ class LayerStack:
 
     def _workspace(self, x: Any, train: bool, micro: int) -> _Workspace:
         """The slot's workspace for ``x``'s shape, with ``x`` copied into it."""
+        if self._built is not None:
+            raise RuntimeError(
+                f"{type(self).__name__} was built in shards (shard={self._built[0]} of its "
+                f"{self.layout.size} parameters): attach it to a ZeRO-3 strategy "
+                f"(ZeRO3Optimizer.build does both) before running it")
         xp, first = self.xp, self.layers[0]
         x = xp.asarray(x)
         if first.index_input and x.dtype.kind not in "iu":

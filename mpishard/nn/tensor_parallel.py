@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import FlatComm, from_comm
+from ..flat import ParameterShard
 from .activations import GELU, ReLU, Tanh
 from .base import BatchContext, Layer
 from .dropout import Dropout
@@ -401,7 +402,8 @@ class ParallelMLP(Described, LayerStack):
     def __init__(self, sizes: Sequence[int], activation: str = "relu",
                  loss: str = "cross_entropy", dtype: Any = np.float64, xp: Any = np,
                  seed: int = 0, layer_norm: bool = False, dropout: float = 0.0, *,
-                 tp_comm: Any = None, stage_layers: tuple[int, int] | None = None) -> None:
+                 tp_comm: Any = None, stage_layers: tuple[int, int] | None = None,
+                 shard: ParameterShard | None = None) -> None:
         self.tp_comm = tensor_parallel_comm(tp_comm)
         p, r = _size_rank(self.tp_comm)
         sizes = [int(s) for s in sizes]
@@ -445,7 +447,7 @@ class ParallelMLP(Described, LayerStack):
         self._options = {"activation": activation, "loss": loss,
                          "layer_norm": bool(layer_norm), "dropout": float(dropout)}
         super().__init__(layers, _LOSSES[loss](), dtype=dtype, xp=xp, seed=seed,
-                         stage_layers=stage_layers)
+                         stage_layers=stage_layers, shard=shard)
 
     def config(self) -> dict[str, Any]:
         """The whole model as JSON ([`model_from_config`][mpishard.nn.model_from_config] builds it).

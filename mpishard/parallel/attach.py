@@ -26,21 +26,26 @@ __all__ = ["ModelCalls", "check_model", "own_gradient"]
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def check_model(dp: FlatComm, model: Any) -> None:
+def check_model(dp: FlatComm, model: Any, built: tuple[Any, Any] | None = None) -> Any:
     """Refuse a model that cannot be trained, or whose parameter count or dtype
-    differs between the ranks of ``dp``. Collective over ``dp``.
+    differs between the ranks of ``dp``; return the values it holds (its
+    ``params``, or its shard where it was built in shards: ``built``, the
+    ``(range, values)`` of [`built_shard_of`][mpishard.protocols.built_shard_of]).
+    Collective over ``dp``.
 
     Raises:
         TypeError: not a model, or parameters that are not float32/float64 1-D
             arrays (on every rank).
         MpiShardError: the parameter count or dtype differs between ranks.
     """
-    dp.agree(_model_problem(model), TypeError)
-    every = dp.allgather((model.params.size, model.params.dtype.str))
+    dp.agree(_model_problem(model) if built is None else None, TypeError)
+    values = model.params if built is None else built[1]
+    every = dp.allgather((model.layout.size, values.dtype.str))
     if len(set(every)) > 1:
         detail = ", ".join(f"rank {r} has {c} {np.dtype(d).name}"
                            for r, (c, d) in enumerate(every))
         raise MpiShardError(f"parameters differ between data-parallel ranks: {detail}")
+    return values
 
 
 def _model_problem(model: Any) -> str | None:
@@ -65,11 +70,11 @@ def _model_problem(model: Any) -> str | None:
     return None
 
 
-def own_gradient(model: Any, xp: Any) -> None:
+def own_gradient(model: Any, xp: Any, dtype: Any) -> None:
     """Give ``model`` one full gradient vector again: a strategy it was attached to
-    before (ZeRO-2) bound its gradients to that strategy's bucket buffers, and
-    ``grads`` was None. Made once, at attach."""
-    grads = xp.zeros(model.params.size, dtype=model.params.dtype)
+    before (ZeRO-2) bound its gradients to that strategy's bucket buffers, or it
+    was built in shards, and ``grads`` was None. Made once, at attach."""
+    grads = xp.zeros(model.layout.size, dtype=dtype)
     layout = model.layout
 
     def view(name: str) -> Any:

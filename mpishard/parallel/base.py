@@ -32,9 +32,9 @@ from ..backend import array_namespace
 from ..comm import FlatComm, stuck
 from ..config import ShardingConfiguration
 from ..errors import TopologyError
-from ..flat import Range
+from ..flat import Range, shard_ranges
 from ..optim.clip import clip_coefficient
-from ..protocols import BACKWARD, FORWARD, BucketedModel, Model, Optimizer
+from ..protocols import BACKWARD, FORWARD, BucketedModel, Model, Optimizer, built_shard_of
 from .accounting import Accounting
 from .answers import RecoveryAnswers
 from .attach import ModelCalls, check_model, own_gradient
@@ -93,6 +93,9 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
     _gradient_factor = 1.0
     #: This rank adds its rows and loss to the step's totals (one rank per model replica).
     _counts_rows = True
+    #: Attaches a model built in shards ([`BuiltInShards`][mpishard.protocols.BuiltInShards]):
+    #: its parameters stay sharded (ZeRO-3).
+    takes_built_shards = False
 
     def __init__(self, optimizer: Optimizer, config: ShardingConfiguration | None = None, *,
                  model: Model | None = None, **options: Any) -> None:
@@ -146,20 +149,26 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
         raise NotImplementedError
 
     def attach(self, model: Model) -> None:
-        """Check ``model`` ([`check_model`][mpishard.parallel.attach.check_model]),
-        make every replica start from rank 0's parameters and set up the two
-        parts. Collective over ``groups.dp`` (the world for a 3D layout).
+        """Check ``model``, make every replica start from rank 0's parameters and
+        set up the two parts. A model built in shards
+        ([`BuiltInShards`][mpishard.protocols.BuiltInShards], ZeRO-3 only) starts
+        from the shards it holds. Collective over ``groups.dp`` (the world for a
+        3D layout).
 
         Raises:
             TypeError: not a model, or parameters that are not float32/float64
                 1-D arrays (on every rank).
+            ValueError: built in shards for a core that needs the whole vector,
+                or with another rank's shard (on every rank).
             MpiShardError: the parameter count or dtype differs between ranks.
         """
         started = time.perf_counter()
-        check_model(self.dp, model)
+        built = built_shard_of(model)   # (range, values): built in shards, nothing whole
+        values = check_model(self.dp, model, built)
+        self.dp.agree(self._built_problem(model, built), ValueError)
         self._release()   # attached before
-        self.model, self.xp = model, array_namespace(model.params)
-        self.dtype, self.layout = model.params.dtype, model.layout
+        self.model, self.xp = model, array_namespace(values)
+        self.dtype, self.layout = values.dtype, model.layout
         self._calls = calls = ModelCalls(model)
         #: The model takes ``set_batch_context`` (dropout's rows of the global batch).
         self.sets_batch_context = calls.sets_batch_context
@@ -170,9 +179,12 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
                                               self._step_group(), self.overlap_timings)
         #: The buckets are reduced during the backward (``overlap`` resolved).
         self.bucketed = reduction.bucketed
-        self.dp.Bcast(model.params, root=0)
-        if model.grads is None and isinstance(model, BucketedModel):
-            own_gradient(model, self.xp)
+        if built is None:   # built in shards: every rank's shard is the seed's already
+            self.dp.Bcast(model.params, root=0)
+        # A reduction whose buckets are slots binds the model's gradient to them.
+        binds = self.bucketed and reduction.slots > 0
+        if model.grads is None and isinstance(model, BucketedModel) and not binds:
+            own_gradient(model, self.xp, self.dtype)
         reduction.attach(model, self.xp, self.buckets, self.bucketed, calls.accumulates,
                          self.totals.check_local)
         self.reduction = reduction
@@ -191,6 +203,22 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
 
     def _setup(self) -> None:
         """After the reduction is set up (a hybrid core's pipeline factors)."""
+
+    def _built_problem(self, model: Model, built: tuple[Range, Any] | None) -> str | None:
+        """Why this core cannot take ``model``, built in shards, or None."""
+        if built is None:
+            return None
+        if not self.takes_built_shards:
+            return (f"the model was built in ZeRO-3 shards (it holds elements "
+                    f"[{built[0].start}, {built[0].stop}) of {model.layout.size}); "
+                    f"{self.public} needs the whole vector: build it without shard=")
+        mine = shard_ranges(model.layout.size, self.dp.size)[self.dp.rank]
+        if built[0] != mine:
+            return (f"the model was built with the shard [{built[0].start}, {built[0].stop}) "
+                    f"of its {model.layout.size} parameters, but data-parallel rank "
+                    f"{self.dp.rank} of {self.dp.size} holds [{mine.start}, {mine.stop}): "
+                    f"build it with shard=ParameterShard({self.dp.rank}, {self.dp.size})")
+        return None
 
     # --- one step ----------------------------------------------------------
     @contextlib.contextmanager

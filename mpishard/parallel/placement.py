@@ -30,7 +30,7 @@ from ..comm import FlatComm, ulfm
 from ..comm.buckets import GradientBuckets
 from ..comm.gather import ParameterGather
 from ..flat import Range, bucket_ranges, shard_ranges, unit_ranges
-from ..protocols import BACKWARD, Optimizer
+from ..protocols import BACKWARD, Optimizer, built_shard_of
 
 __all__ = ["RECOVERY_KINDS", "GatheredAfterStep", "GatheredBeforeUse", "Placement", "Replicated",
            "ShardedState"]
@@ -62,7 +62,9 @@ class Placement:
     def __init__(self, model: Any, dp: FlatComm, xp: Any) -> None:
         self.model, self.dp, self.xp = model, dp, xp
         self.layout = model.layout
-        self.dtype = model.params.dtype if model.params is not None else None
+        built = built_shard_of(model)   # built in shards: params is None
+        values = model.params if built is None else built[1]
+        self.dtype = values.dtype if values is not None else None
         self.state: dict[str, Any] = {}
 
     def owned(self) -> Range:
@@ -220,7 +222,8 @@ class GatheredAfterStep(Placement):
         self.sharded = sharded
         self.state = sharded.state
         self.shard = sharded.shard
-        self.params_shard = model.params[self.shard.start:self.shard.stop]
+        self.params_shard = (model.params[self.shard.start:self.shard.stop]
+                             if model.params is not None else None)   # built in shards
 
     def owned(self) -> Range:
         return self.shard
@@ -274,7 +277,9 @@ class GatheredBeforeUse(GatheredAfterStep):
                  gather_elements: int, prefetch: bool, keep: bool) -> None:
         super().__init__(model, dp, xp, sharded)
         self.units = unit_ranges(self.layout)
-        self.store = xp.empty(len(self.shard), dtype=self.dtype)
+        built = built_shard_of(model)   # built in shards: its shard is the store
+        self.store = (built[1] if built is not None else
+                      xp.empty(len(self.shard), dtype=self.dtype))
         #: The gathers' communicator: a duplicate of ``groups.dp``.
         self.comm = dp.dup(f"{dp.name} (parameter gathers)")
         if ulfm.is_on(dp):   # a lost rank is seen here too, as on the group
@@ -286,10 +291,12 @@ class GatheredBeforeUse(GatheredAfterStep):
         self._reshard()
 
     def _reshard(self) -> None:
-        """Keep this rank's shard of the model's whole vector, bind the model to the
-        gather buffers and drop the vector. Local."""
+        """Keep this rank's shard of the model's whole vector (none: built in
+        shards, the store holds it), bind the model to the gather buffers and drop
+        the vector. Local."""
         model, shard = self.model, self.shard
-        self.store[...] = model.params[shard.start:shard.stop]
+        if model.params is not None:
+            self.store[...] = model.params[shard.start:shard.stop]
         self.params_shard = self.store
         self.gather.invalidate()
         model.bind_parameters(self.gather.views(self.layout))   # params is None now

@@ -35,7 +35,7 @@ from ..comm.timing import agree_on_fastest, reduce_once, time_alternatives
 from ..config import ShardingConfiguration
 from ..errors import MpiShardError
 from ..flat import Range, bucket_ranges, shard_ranges
-from ..protocols import BucketedModel
+from ..protocols import BucketedModel, built_shard_of
 from .options import REDUCE_METHODS
 from .overlap import decide_overlap
 from .reproexchange import WordShards
@@ -88,11 +88,13 @@ class GradientReduction:
         # Reproducible mode reduces binned sums at step(), not buckets during the backward.
         reproducible = self.config.reproducible
         can_overlap = isinstance(model, BucketedModel) and scales_loss and not reproducible
-        bucket_elements = max(1, int(options.bucket_mb * 2**20) // model.params.itemsize)
+        # A model built in shards (params None) has only its shard's values yet.
+        dtype = (model.params if model.params is not None else built_shard_of(model)[1]).dtype
+        bucket_elements = max(1, int(options.bucket_mb * 2**20) // dtype.itemsize)
         ranges = bucket_ranges(model.layout, bucket_elements)
         overlap = options.overlap
         if isinstance(overlap, str) and can_overlap:   # "auto" or "measure"
-            self.bucketed = decide_overlap(self.dp, step_group, ranges, model.params.dtype, xp,
+            self.bucketed = decide_overlap(self.dp, step_group, ranges, dtype, xp,
                                            self.probe_kind(), self.slots, record,
                                            nodes=self.config.groups.nodes,
                                            measure=overlap == "measure")
@@ -279,7 +281,7 @@ class Allreduced(GradientReduction):
         """The ranges of ``norm_vector`` whose squares this rank sums, from the
         world ranges its replica owns: every replica holds the same sum, so each
         counts its 1/N of it (the check costs 1/N of a pass)."""
-        mine = shard_ranges(self.model.params.size, self.dp.size)[self.dp.rank]
+        mine = shard_ranges(self.model.layout.size, self.dp.size)[self.dp.rank]
         return [r.intersect(mine) for r in owned]
 
     def norm_vector(self) -> Any:
@@ -301,7 +303,7 @@ class Allreduced(GradientReduction):
     def repro_target(self) -> tuple[Any, int, int]:
         """``(out, start, stop)``: the world range of the sum this rank holds, and
         the array it goes into."""
-        return self.vector, 0, self.model.params.size
+        return self.vector, 0, self.model.layout.size
 
     def repro_shards(self) -> list[Range] | None:
         """Every rank's range of the sum where each holds its own only; None here."""
@@ -360,7 +362,9 @@ class ReducedToShards(GradientReduction):
         """As [`Allreduced.attach`][mpishard.parallel.reduction.Allreduced.attach];
         bucketed, the model's gradients are bound to the bucket buffers. Collective
         over the training group (the method and reducer are measured)."""
-        dp, n, dtype = self.dp, model.params.size, model.params.dtype
+        # A model built in shards (params None) has only its shard's values yet.
+        values = model.params if model.params is not None else built_shard_of(model)[1]
+        dp, n, dtype = self.dp, model.layout.size, values.dtype
         self.model, self.xp, self.buckets, self.bucketed = model, xp, buckets, bucketed
         self._check = check
         self.shards = shard_ranges(n, dp.size)

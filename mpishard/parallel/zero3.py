@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ..comm import FlatComm
 from ..comm.gather import ParameterGather
+from ..flat import ParameterShard
 from ..protocols import Model, ShardableModel
 from .options import ZeRO3Options
 from .placement import GatheredAfterStep, GatheredBeforeUse, Placement
 from .sharded import ShardedCore
 
 __all__ = ["ZeRO3Core", "ZeRO3Options"]
+
+M = TypeVar("M")
 
 
 class ZeRO3Core(ShardedCore):
@@ -46,8 +50,29 @@ class ZeRO3Core(ShardedCore):
 
     strategy = "zero3"
     public = "ZeRO3Optimizer"
+    takes_built_shards = True
 
     Options = ZeRO3Options
+
+    def parameter_shard_spec(self) -> ParameterShard:
+        """This rank's [`ParameterShard`][mpishard.flat.ParameterShard] over
+        ``groups.dp``: what a model built in shards for this core is given. Local."""
+        return ParameterShard(self.dp.rank, self.dp.size)
+
+    def build(self, model_class: Callable[..., M], *args: Any, **kwargs: Any) -> M:
+        """``model_class(*args, shard=parameter_shard_spec(), **kwargs)``, attached:
+        each rank allocates and initialises only its shard of the parameters
+        (the same bits as the whole model built with the same arguments and
+        attached, at any number of ranks). Every rank passes the same arguments.
+        Collective over ``groups.dp``.
+
+        Raises:
+            TypeError: ``model_class`` takes no ``shard=`` (a model that brings
+                its own vector: build it and ``attach`` it), or ``attach``'s.
+        """
+        model = model_class(*args, shard=self.parameter_shard_spec(), **kwargs)
+        self.attach(model)
+        return model
 
     def _new_placement(self, model: Model) -> Placement:
         """Gathered before use where the model has parameter hooks and parameters,
@@ -65,7 +90,9 @@ class ZeRO3Core(ShardedCore):
         """As [`DataParallelCore.attach`][mpishard.parallel.base.DataParallelCore.attach]
         (the whole vector taken from rank 0), then keep only this rank's shard: a
         [`ShardableModel`][mpishard.protocols.ShardableModel] is bound to the
-        gather buffers and its ``params`` becomes None. Collective over ``groups.dp``.
+        gather buffers and its ``params`` becomes None. A model built in shards
+        ([`build`][mpishard.parallel.zero3.ZeRO3Core.build]) hands its shard over
+        as it is: nothing whole is made. Collective over ``groups.dp``.
 
         Raises:
             TypeError: not a model (a model whose ``params`` is None is sharded

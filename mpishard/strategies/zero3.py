@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ..config import ShardingConfiguration
 from ..parallel import ZeRO3Core
@@ -10,6 +11,8 @@ from ..protocols import Model, Optimizer
 from .base import Strategy
 
 __all__ = ["ZeRO3Optimizer"]
+
+M = TypeVar("M")
 
 
 class ZeRO3Optimizer(Strategy):
@@ -24,7 +27,9 @@ class ZeRO3Optimizer(Strategy):
     ``HybridShardedOptimizer(data_parallel="zero3")``) read their parameters
     through hooks the strategy sets; a model without them (a
     [`FunctionModel`][mpishard.nn.FunctionModel], your own) keeps its whole vector and is
-    trained as ZeRO-2 trains it. While attached, a library model's ``params`` is
+    trained as ZeRO-2 trains it. A library model can be built in shards,
+    never whole on any rank: [`build`][mpishard.strategies.zero3.ZeRO3Optimizer.build].
+    While attached, a library model's ``params`` is
     None and its ``forward`` is collective over ``groups.dp``: use
     [`gathered_parameters`][mpishard.strategies.base.Strategy.gathered_parameters] or
     [`unshard`][mpishard.strategies.zero3.ZeRO3Optimizer.unshard] to read it on one rank.
@@ -44,6 +49,27 @@ class ZeRO3Optimizer(Strategy):
     def __init__(self, optimizer: Optimizer, config: ShardingConfiguration | None = None, *,
                  model: Model | None = None, **options: Any) -> None:
         super().__init__(ZeRO3Core(optimizer, config, model=model, **options))
+
+    def build(self, model_class: Callable[..., M], *args: Any, **kwargs: Any) -> M:
+        """Build ``model_class(*args, **kwargs)`` in shards and attach it: each rank
+        allocates and initialises only its shard of the parameters, bit for bit
+        the shard of the whole model built with the same arguments, at any
+        number of ranks; its peak is the shard and about one layer. For
+        [`MLP`][mpishard.nn.MLP], [`GPT`][mpishard.nn.GPT],
+        [`Sequential`][mpishard.nn.Sequential] and any
+        [`LayerStack`][mpishard.nn.LayerStack] (a class that passes ``shard=`` on
+        to it). Collective over ``groups.dp``.
+
+        ```python
+        zero3 = ZeRO3Optimizer(AdamW(lr=3e-4), config)
+        model = zero3.build(GPT, 50257, 1024, 768, 12, 12, dtype=np.float32, seed=1)
+        ```
+
+        Raises:
+            TypeError: ``model_class`` takes no ``shard=`` (a model that brings
+                its own vector: build it whole and ``attach`` it).
+        """
+        return self.core.build(model_class, *args, **kwargs)
 
     def unshard(self, params: Any = None) -> None:
         """Give the model its whole parameter vector back for good (``params``, or

@@ -36,7 +36,7 @@ from unequal import (
 )
 from worlds import batch_splits, written_for
 
-from mpishard import ShardingConfiguration
+from mpishard import ParameterShard, ShardingConfiguration
 from mpishard.nn import GPT, MLP, FunctionModel, ParallelMLP
 from mpishard.optim import SGD, AdamW
 from mpishard.strategies import (
@@ -67,12 +67,12 @@ def token_batch(step, n=ROWS):
     return x, np.roll(x, -1, axis=1)
 
 
-def make_mlp():
-    return MLP(SIZES, activation="tanh", dtype=np.float64, seed=7)
+def make_mlp(**kwargs):
+    return MLP(SIZES, activation="tanh", dtype=np.float64, seed=7, **kwargs)
 
 
-def make_gpt():
-    return GPT(VOCAB, SEQ, 8, 2, 2, dtype=np.float64, seed=11)
+def make_gpt(**kwargs):
+    return GPT(VOCAB, SEQ, 8, 2, 2, dtype=np.float64, seed=11, **kwargs)
 
 
 def assert_close(actual, expected, what, rtol=1e-12):
@@ -141,6 +141,44 @@ def test_same_bits_as_zero2(kind, gathers):
     np.testing.assert_array_equal(p3, p2)
     np.testing.assert_array_equal(l3, l2)
     assert n3 == n2
+
+
+# --- built in shards -----------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_built_in_shards_same_bits_as_built_whole(kind, overlap):
+    """``build``: each rank's shard is the whole model's, and training gives the
+    same bits; the backward writes into the buckets (no gradient vector) unless
+    ``overlap=False`` (then the model gets one at attach)."""
+    make, batch = (make_mlp, global_batch) if kind == "mlp" else (make_gpt, token_batch)
+    runs = {}
+    for built in (False, True):
+        dist = ZeRO3Optimizer(AdamW(lr=3e-3), ShardingConfiguration(WORLD), bucket_mb=1e-3,
+                              gather_mb=2e-3, max_grad_norm=MAX_NORM, accumulation_steps=2,
+                              overlap=overlap)
+        model = dist.build(make) if built else make()
+        if not built:
+            dist.attach(model)
+        assert model.params is None and (model.grads is None) == overlap
+        r, start = dist.parameter_shard()
+        runs[built] = [r, start.copy()]
+        runs[built] += [train(dist, WORLD, batch=batch, steps=4), whole(dist)]
+    for got, expected in zip(runs[True], runs[False]):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_built_in_shards_refused_where_the_whole_vector_is_needed():
+    """DDP needs the whole vector; a shard for another layout names the right one.
+    On every rank."""
+    model = make_mlp(shard=ParameterShard(WORLD.rank, WORLD.size))
+    with pytest.raises(ValueError, match="DDPOptimizer needs the whole vector"):
+        DDPOptimizer(SGD(lr=0.1), ShardingConfiguration(WORLD), model=model)
+    other = make_mlp(shard=ParameterShard(WORLD.rank, WORLD.size + 1))
+    with pytest.raises(ValueError, match=rf"ParameterShard\(0, {WORLD.size}\)"):  # rank 0's
+        ZeRO3Optimizer(SGD(lr=0.1), ShardingConfiguration(WORLD), model=other)
+    with pytest.raises(TypeError, match="shard"):
+        ZeRO3Optimizer(SGD(lr=0.1), ShardingConfiguration(WORLD)).build(
+            FunctionModel, lambda p, x, y: (0.0, 0 * p), np.zeros(3))
 
 
 # --- what a rank holds ---------------------------------------------------------------

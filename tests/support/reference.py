@@ -62,14 +62,17 @@ def classification_data(n: int = 96, features: int = 5, classes: int = 3,
 def train_serial(model, optimizer, batches: Iterable[tuple[np.ndarray, np.ndarray]], *,
                  max_grad_norm: float | None = None,
                  schedule: Callable[[int], float] | None = None,
-                 batch_context: bool = False) -> SerialRun:
+                 batch_context: bool = False,
+                 state: dict[str, np.ndarray] | None = None) -> SerialRun:
     """Train ``model`` in place, one ``optimizer.update`` per global batch of ``batches``.
 
     ``max_grad_norm`` clips by global norm, ``schedule(step)`` scales the learning
     rate, ``batch_context`` places each batch at rows ``0..rows`` for dropout (the
-    rules: this module's docstring).
+    rules: this module's docstring). ``state``: the optimizer's state to start
+    from and update in place (the caller reads it after); fresh when None.
     """
-    state = optimizer.init_state(model.params.size, model.params.dtype, np)
+    if state is None:
+        state = optimizer.init_state(model.params.size, model.params.dtype, np)
     losses, norms = [], []
     for step, (x, y) in enumerate(batches, 1):
         if batch_context:
