@@ -132,22 +132,27 @@ class DataParallelCore(OptionsHome, Progress):
         # Reproducible mode's units and binned sums (config.reproducible), made at attach.
         self._repro: ReproducibleStep | None = None
 
-    def rebuild(self, config: ShardingConfiguration) -> None:
+    def rebuild(self, config: ShardingConfiguration, shard: Any = None) -> None:
         """Set this core up again over ``config``'s groups (after a lost rank: the
-        survivors'), keeping the optimizer, every option and the attached model; a
-        model whose parameters are gathered before use gets its whole vector back
-        first (gathered over the old ``groups.dp``: unshard it with the values
-        where that group is broken). The optimizer state starts from zero (the
-        caller puts it back), the step count and data position stay. Collective
-        over ``config.world`` (and the old ``groups.dp``)."""
+        survivors'), keeping the optimizer, every option and the attached model.
+        A model whose parameters are gathered before use stays sharded where
+        ``shard`` is given (this rank's shard under ``config``, the old gathers
+        dropped: nothing whole), else it gets its whole vector back first
+        (gathered over the old ``groups.dp``: unshard it with the values where
+        that group is broken). The optimizer state starts from zero (the caller
+        puts it back), the step count and data position stay. Collective over
+        ``config.world`` (and, without ``shard``, the old ``groups.dp``)."""
         model = self.model
         if model is not None and model.params is None:   # gathered before use
-            self.placement = self.placement.unshard()
+            if shard is None:
+                self.placement = self.placement.unshard()
+            elif self.placement.gather is not None:
+                self.placement.gather.drop()             # the old group may be broken
         self._release()
         self._over(config)
         self.model = None
         if model is not None:
-            self.attach(model)
+            self._attach(model, shard if model.params is None else None)
 
     def _release(self) -> None:
         """Free what the parts made on the old groups."""
@@ -217,9 +222,16 @@ class DataParallelCore(OptionsHome, Progress):
                 1-D arrays (on every rank).
             MpiShardError: the parameter count or dtype differs between ranks.
         """
+        self._attach(model, None)
+
+    def _attach(self, model: Model, shard: Any) -> None:
+        """``attach``; a model gathered before use whose ``params`` is None keeps
+        ``shard`` (this rank's shard, ``rebuild``'s) and nothing is whole."""
         started = time.perf_counter()
-        self.dp.agree(_model_problem(model), TypeError)
-        n, dtype = model.params.size, model.params.dtype.str
+        if shard is None:
+            self.dp.agree(_model_problem(model), TypeError)
+        vector = model.params if shard is None else shard
+        n, dtype = model.layout.size, vector.dtype.str
         every = self.dp.allgather((n, dtype))
         if len(set(every)) > 1:
             detail = ", ".join(f"rank {r} has {c} {np.dtype(d).name}"
@@ -227,8 +239,8 @@ class DataParallelCore(OptionsHome, Progress):
             raise MpiShardError(f"parameters differ between data-parallel ranks: {detail}")
         self._release()   # attached before
         self.model = model
-        self.xp = array_namespace(model.params)
-        self.dtype = model.params.dtype
+        self.xp = array_namespace(vector)
+        self.dtype = vector.dtype
         self.layout = model.layout
         self._accumulates = _accepts_keyword(model.forward_backward, "accumulate")
         self._scales_loss = _accepts_keyword(model.forward_backward, "loss_scale")
@@ -236,11 +248,13 @@ class DataParallelCore(OptionsHome, Progress):
         self.sets_batch_context = hasattr(model, "set_batch_context")
         reduction = self._new_reduction()
         self.buckets = self._buckets(model, reduction)
-        self.dp.Bcast(model.params, root=0)
-        if model.grads is None and isinstance(model, BucketedModel):
-            _own_gradient(model, self.xp)
+        if shard is None:
+            self.dp.Bcast(model.params, root=0)
+        if (model.grads is None and isinstance(model, BucketedModel)
+                and not (self.bucketed and reduction.slots)):   # else bound to its buckets
+            _own_gradient(model, self.xp, self.dtype)
         reduction.attach(model, self.xp, self.buckets, self.bucketed, self._accumulates,
-                         self.totals.check_local)
+                         self.totals.check_local, dtype=self.dtype)
         self.reduction = reduction
         self._setup()
         self._repro = ReproducibleStep(self) if self.config.reproducible else None
@@ -251,7 +265,9 @@ class DataParallelCore(OptionsHome, Progress):
         self.totals.setup(self._step_group(), self.dp,
                           reduction.norm_pieces(self._owned_ranges()), reduction.norm_vector,
                           self.xp, self._counts_rows, extra)
+        self._incoming_shard = shard     # ZeRO-3's placement takes it
         self.placement = self._new_placement(model)
+        self._incoming_shard = None
         # A placement that shards the parameters dropped the whole vector the model
         # came with: the peak counts from here.
         current = self._current_bytes()
@@ -267,14 +283,14 @@ class DataParallelCore(OptionsHome, Progress):
         # Reproducible mode reduces binned sums at step(), not buckets during the backward.
         can_overlap = (isinstance(model, BucketedModel) and self._scales_loss
                        and not self.config.reproducible)
-        bucket_elements = max(1, int(self.bucket_mb * 2**20) // model.params.itemsize)
+        bucket_elements = max(1, int(self.bucket_mb * 2**20) // self.dtype.itemsize)
         ranges = bucket_ranges(model.layout, bucket_elements)
         #: overlap="auto" or "measure": how it was decided (.overlap.decide_overlap).
         self.overlap_timings: dict[str, Any] = {}
         if isinstance(self.overlap, str) and can_overlap:   # "auto" or "measure"
             #: The buckets are reduced during the backward (``overlap`` resolved).
             self.bucketed = decide_overlap(self.dp, self._step_group(), ranges,
-                                           model.params.dtype, self.xp, reduction.probe_kind(),
+                                           self.dtype, self.xp, reduction.probe_kind(),
                                            reduction.slots, self.overlap_timings,
                                            nodes=self.config.groups.nodes,
                                            measure=self.overlap == "measure")
@@ -583,11 +599,11 @@ class DataParallelCore(OptionsHome, Progress):
         return [Range(0, self.layout.size)]
 
 
-def _own_gradient(model: Any, xp: Any) -> None:
+def _own_gradient(model: Any, xp: Any, dtype: Any) -> None:
     """Give ``model`` one full gradient vector again: a strategy it was attached to
     before (ZeRO-2) bound its gradients to that strategy's bucket buffers, and
     ``grads`` was None. Made once, at attach."""
-    grads = xp.zeros(model.params.size, dtype=model.params.dtype)
+    grads = xp.zeros(model.layout.size, dtype=dtype)
     layout = model.layout
 
     def view(name: str) -> Any:

@@ -144,13 +144,14 @@ class Allreduced(GradientReduction):
         self.model: Any = None
 
     def attach(self, model: Any, xp: Any, buckets: GradientBuckets, bucketed: bool,
-               accumulates: bool, check: Callable[[Any], None]) -> None:
+               accumulates: bool, check: Callable[[Any], None], dtype: Any = None) -> None:
         """Set up over ``model``'s gradient (hooks on ``buckets`` when ``bucketed``);
-        ``check(vector)`` notes a non-finite local gradient. Collective over the
+        ``check(vector)`` notes a non-finite local gradient; ``dtype``: the
+        parameters' (``model.params``' where None). Collective over the
         training group (the reducer is measured)."""
         self.model, self.xp, self.buckets, self.bucketed = model, xp, buckets, bucketed
         self._accumulates, self._check = accumulates, check
-        n, dtype = model.params.size, model.params.dtype
+        n, dtype = model.layout.size, model.params.dtype if dtype is None else dtype
         # Models that cannot accumulate into their own gradient get a buffer
         # (made here for accumulation_steps, on first need for no_sync()).
         needs_buffer = self.accumulation_steps > 1 and not accumulates
@@ -324,11 +325,13 @@ class ReducedToShards(GradientReduction):
         return "allreduce" if self.method == "allreduce" else "reduce_scatter"
 
     def attach(self, model: Any, xp: Any, buckets: GradientBuckets, bucketed: bool,
-               accumulates: bool, check: Callable[[Any], None]) -> None:
+               accumulates: bool, check: Callable[[Any], None], dtype: Any = None) -> None:
         """As [`Allreduced.attach`][mpishard.parallel.reduction.Allreduced.attach];
-        bucketed, the model's gradients are bound to the bucket buffers. Collective
-        over the training group (the method and reducer are measured)."""
-        dp, n, dtype = self.dp, model.params.size, model.params.dtype
+        bucketed, the model's gradients are bound to the bucket buffers (the
+        parameters may be sharded: ``model.params`` None). Collective over the
+        training group (the method and reducer are measured)."""
+        dp, n = self.dp, model.layout.size
+        dtype = model.params.dtype if dtype is None else dtype
         self.model, self.xp, self.buckets, self.bucketed = model, xp, buckets, bucketed
         self._check = check
         self.shards = shard_ranges(n, dp.size)
