@@ -250,7 +250,7 @@ if opt.config.world.rank == 0:
         "equal_reference": bool(np.array_equal(final, ref)),
         "equal_uninterrupted": bool(np.array_equal(final, whole)),
         "sharded": model.params is None, "held": held,
-        "shard": len(opt.core.shard) if NAME != "ddp" else held,
+        "shard": len(opt.core.shard) if NAME == "zero3" else held,     # else whole
     }}), flush=True)
 ulfm.leave(0)      # not MPI_Finalize: it may wait for the dead rank (ompi#11404)
 """
