@@ -67,22 +67,27 @@ class RecoveryAnswers:
         ``groups.dp``; sharded parameters are sharded again by ``rebuild``. Local."""
         self.placement = self.placement.unshard(params)
 
-    def rebuild(self, config: ShardingConfiguration) -> None:
+    def rebuild(self, config: ShardingConfiguration, shard: Any = None) -> None:
         """Set this core up again over ``config``'s groups (after a lost rank: the
-        survivors'), keeping the optimizer, every option and the attached model; a
-        model whose parameters are gathered before use gets its whole vector back
-        first (gathered over the old ``groups.dp``: unshard it with the values
-        where that group is broken). The optimizer state starts from zero (the
-        caller puts it back), the step count and data position stay. Collective
-        over ``config.world`` (and the old ``groups.dp``)."""
+        survivors'), keeping the optimizer, every option and the attached model.
+        A model whose parameters are gathered before use stays sharded where
+        ``shard`` is given (this rank's shard under ``config``, the old gathers
+        dropped: nothing whole), else it gets its whole vector back first
+        (gathered over the old ``groups.dp``: unshard it with the values where
+        that group is broken). The optimizer state starts from zero (the caller
+        puts it back), the step count and data position stay. Collective over
+        ``config.world`` (and, without ``shard``, the old ``groups.dp``)."""
         model = self.model
         if model is not None and model.params is None:   # gathered before use
-            self.placement = self.placement.unshard()
+            if shard is None:
+                self.placement = self.placement.unshard()
+            elif self.placement.gather is not None:
+                self.placement.gather.drop()             # the old group may be broken
         self._release()
         self._over(config)
         self.model = None
         if model is not None:
-            self.attach(model)
+            self._attach(model, shard if model.params is None else None)
 
     def _release(self) -> None:
         """Free what the parts made on the old groups."""

@@ -162,8 +162,16 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
                 or with another rank's shard (on every rank).
             MpiShardError: the parameter count or dtype differs between ranks.
         """
+        self._attach(model, None)
+
+    def _attach(self, model: Model, shard: Any) -> None:
+        """``attach``; a model gathered before use whose ``params`` is None keeps
+        ``shard`` (this rank's shard, ``rebuild``'s after a recovery): nothing is
+        whole."""
         started = time.perf_counter()
         built = built_shard_of(model)   # (range, values): built in shards, nothing whole
+        if shard is not None:           # a recovery's: this rank's shard under config
+            built = (shard_ranges(model.layout.size, self.dp.size)[self.dp.rank], shard)
         values = check_model(self.dp, model, built)
         self.dp.agree(self._built_problem(model, built), ValueError)
         self._release()   # attached before
@@ -176,7 +184,8 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
         #: overlap="auto" or "measure": how it was decided (.overlap.decide_overlap).
         self.overlap_timings: dict[str, Any] = {}
         self.buckets = reduction.plan_buckets(model, self.xp, self.options, calls.scales_loss,
-                                              self._step_group(), self.overlap_timings)
+                                              self._step_group(), self.overlap_timings,
+                                              dtype=self.dtype)
         #: The buckets are reduced during the backward (``overlap`` resolved).
         self.bucketed = reduction.bucketed
         if built is None:   # built in shards: every rank's shard is the seed's already
@@ -186,7 +195,7 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
         if model.grads is None and isinstance(model, BucketedModel) and not binds:
             own_gradient(model, self.xp, self.dtype)
         reduction.attach(model, self.xp, self.buckets, self.bucketed, calls.accumulates,
-                         self.totals.check_local)
+                         self.totals.check_local, dtype=self.dtype)
         self.reduction = reduction
         self._setup()
         self._repro = ReproducibleStep(self) if self.config.reproducible else None
@@ -196,7 +205,9 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
                           reduction.norm_pieces(self._owned_ranges()), reduction.norm_vector,
                           self.xp, self._counts_rows,
                           self._repro.extra if self._repro is not None else 0)
+        self._incoming_shard = None if built is None else built[1]   # ZeRO-3's store
         self.placement = self._new_placement(model)
+        self._incoming_shard = None
         self._attached(whole=model.params is not None)
         #: Seconds the last attach took on this rank (the run header prints it).
         self.attach_seconds = time.perf_counter() - started

@@ -223,7 +223,7 @@ class GatheredAfterStep(Placement):
         self.state = sharded.state
         self.shard = sharded.shard
         self.params_shard = (model.params[self.shard.start:self.shard.stop]
-                             if model.params is not None else None)   # built in shards
+                             if model.params is not None else None)   # ZeRO-3's: its store
 
     def owned(self) -> Range:
         return self.shard
@@ -274,12 +274,16 @@ class GatheredBeforeUse(GatheredAfterStep):
     lockstep = True
 
     def __init__(self, model: Any, dp: FlatComm, xp: Any, sharded: ShardedState, *,
-                 gather_elements: int, prefetch: bool, keep: bool) -> None:
+                 gather_elements: int, prefetch: bool, keep: bool, shard: Any = None) -> None:
         super().__init__(model, dp, xp, sharded)
+        if shard is not None:    # a model already sharded (a recovery): its shard given
+            self.dtype = shard.dtype
         self.units = unit_ranges(self.layout)
-        built = built_shard_of(model)   # built in shards: its shard is the store
-        self.store = (built[1] if built is not None else
-                      xp.empty(len(self.shard), dtype=self.dtype))
+        if shard is None:   # built in shards: its shard is the store
+            built = built_shard_of(model)
+            shard = built[1] if built is not None else None
+        # A shard given is kept as it is (built there, or a recovery moved it): no copy.
+        self.store = shard if shard is not None else xp.empty(len(self.shard), dtype=self.dtype)
         #: The gathers' communicator: a duplicate of ``groups.dp``.
         self.comm = dp.dup(f"{dp.name} (parameter gathers)")
         if ulfm.is_on(dp):   # a lost rank is seen here too, as on the group
@@ -288,14 +292,14 @@ class GatheredBeforeUse(GatheredAfterStep):
             list(reversed(bucket_ranges(self.layout, gather_elements))), sharded.shards,
             dp.rank, self.store, self.comm, prefetch=prefetch, keep=keep)
         self.gather.allocate(xp, self.dtype)
-        self._reshard()
+        self._reshard(given=shard is not None)
 
-    def _reshard(self) -> None:
-        """Keep this rank's shard of the model's whole vector (none: built in
-        shards, the store holds it), bind the model to the gather buffers and drop
-        the vector. Local."""
+    def _reshard(self, given: bool = False) -> None:
+        """Keep this rank's shard of the model's whole vector (``given``: the store
+        holds it already), bind the model to the gather buffers and drop the
+        vector. Local."""
         model, shard = self.model, self.shard
-        if model.params is not None:
+        if not given:
             self.store[...] = model.params[shard.start:shard.stop]
         self.params_shard = self.store
         self.gather.invalidate()

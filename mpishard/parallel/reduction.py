@@ -35,7 +35,7 @@ from ..comm.timing import agree_on_fastest, reduce_once, time_alternatives
 from ..config import ShardingConfiguration
 from ..errors import MpiShardError
 from ..flat import Range, bucket_ranges, shard_ranges
-from ..protocols import BucketedModel, built_shard_of
+from ..protocols import BucketedModel
 from .options import REDUCE_METHODS
 from .overlap import decide_overlap
 from .reproexchange import WordShards
@@ -77,8 +77,10 @@ class GradientReduction:
         return "allreduce"
 
     def plan_buckets(self, model: Any, xp: Any, options: Any, scales_loss: bool,
-                     step_group: FlatComm, record: dict[str, Any]) -> GradientBuckets:
-        """``model``'s gradient buckets (``options.bucket_mb``), reduced during the
+                     step_group: FlatComm, record: dict[str, Any], *,
+                     dtype: Any) -> GradientBuckets:
+        """``model``'s gradient buckets (``options.bucket_mb`` of ``dtype``, the
+        parameters'), reduced during the
         backward (sets ``bucketed``) or after it as ``options.overlap`` says; how
         ``"auto"`` or ``"measure"`` decided goes into ``record``
         (``mpishard.parallel.overlap.decide_overlap``). Collective
@@ -88,8 +90,6 @@ class GradientReduction:
         # Reproducible mode reduces binned sums at step(), not buckets during the backward.
         reproducible = self.config.reproducible
         can_overlap = isinstance(model, BucketedModel) and scales_loss and not reproducible
-        # A model built in shards (params None) has only its shard's values yet.
-        dtype = (model.params if model.params is not None else built_shard_of(model)[1]).dtype
         bucket_elements = max(1, int(options.bucket_mb * 2**20) // dtype.itemsize)
         ranges = bucket_ranges(model.layout, bucket_elements)
         overlap = options.overlap
@@ -178,13 +178,14 @@ class Allreduced(GradientReduction):
         self.model: Any = None
 
     def attach(self, model: Any, xp: Any, buckets: GradientBuckets, bucketed: bool,
-               accumulates: bool, check: Callable[[Any], None]) -> None:
+               accumulates: bool, check: Callable[[Any], None], dtype: Any = None) -> None:
         """Set up over ``model``'s gradient (hooks on ``buckets`` when ``bucketed``);
-        ``check(vector)`` notes a non-finite local gradient. Collective over the
+        ``check(vector)`` notes a non-finite local gradient; ``dtype``: the
+        parameters' (``model.params``' where None). Collective over the
         training group (the reducer is measured)."""
         self.model, self.xp, self.buckets, self.bucketed = model, xp, buckets, bucketed
         self._accumulates, self._check = accumulates, check
-        n, dtype = model.params.size, model.params.dtype
+        n, dtype = model.layout.size, model.params.dtype if dtype is None else dtype
         # Models that cannot accumulate into their own gradient get a buffer
         # (made here for accumulation_steps, on first need for no_sync()).
         needs_buffer = self.accumulation_steps > 1 and not accumulates
@@ -358,13 +359,13 @@ class ReducedToShards(GradientReduction):
         return "allreduce" if self.method == "allreduce" else "reduce_scatter"
 
     def attach(self, model: Any, xp: Any, buckets: GradientBuckets, bucketed: bool,
-               accumulates: bool, check: Callable[[Any], None]) -> None:
+               accumulates: bool, check: Callable[[Any], None], dtype: Any = None) -> None:
         """As [`Allreduced.attach`][mpishard.parallel.reduction.Allreduced.attach];
-        bucketed, the model's gradients are bound to the bucket buffers. Collective
-        over the training group (the method and reducer are measured)."""
-        # A model built in shards (params None) has only its shard's values yet.
-        values = model.params if model.params is not None else built_shard_of(model)[1]
-        dp, n, dtype = self.dp, model.layout.size, values.dtype
+        bucketed, the model's gradients are bound to the bucket buffers (the
+        parameters may be sharded: ``model.params`` None). Collective over the
+        training group (the method and reducer are measured)."""
+        dp, n = self.dp, model.layout.size
+        dtype = model.params.dtype if dtype is None else dtype
         self.model, self.xp, self.buckets, self.bucketed = model, xp, buckets, bucketed
         self._check = check
         self.shards = shard_ranges(n, dp.size)

@@ -148,8 +148,8 @@ class ReproducibleStep:
         self.strategy = strategy
         model = strategy.model
         self.xp = strategy.xp
-        self.size = model.params.size
-        self.dtype = model.params.dtype
+        self.size = model.layout.size
+        self.dtype = strategy.dtype
         # Chunks restart at every tensor: a tensor's bits do not depend on its offset
         # (a pipeline stage holds the whole model's tensors at other offsets).
         specs = sorted(model.layout, key=lambda t: t.offset)

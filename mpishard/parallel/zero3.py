@@ -84,7 +84,8 @@ class ZeRO3Core(ShardedCore):
         return GatheredBeforeUse(model, self.dp, self.xp, sharded,
                                  gather_elements=max(1, int(gather_mb * 2**20)
                                                      // self.dtype.itemsize),
-                                 prefetch=self.prefetch, keep=self.keep_gathered)
+                                 prefetch=self.prefetch, keep=self.keep_gathered,
+                                 shard=getattr(self, "_incoming_shard", None))
 
     def attach(self, model: Model) -> None:
         """As [`DataParallelCore.attach`][mpishard.parallel.base.DataParallelCore.attach]

@@ -1,6 +1,6 @@
 """After a lost rank (ULFM): the strategy rebuilt in place over the survivors, whole
-3D replicas kept, ZeRO-2 shards from buddy copies, a rollback to a checkpoint, or a
-typed hand-over to a relaunch.
+3D replicas kept, ZeRO-2 and ZeRO-3 shards from buddy copies (moved shard to shard,
+never whole), a rollback to a checkpoint, or a typed hand-over to a relaunch.
 
 The mechanism (revoke, shrink, agree) is [`mpishard.comm.ulfm`][mpishard.comm.ulfm]'s; this package
 is the policy. The training loop talks to it through
@@ -19,11 +19,13 @@ from .handover import hand_over
 from .inplace import communicators, recover_in_place, recoverable, shrink_only
 from .policy import RecoveryPolicy
 from .replicas import drop_replicas, whole_replicas
-from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
+from .resplit import Moved, moves, resplit
+from .shardcopy import ShardBuddy, sharded_pieces, zero2_candidates, zero2_rebuild
 
 __all__ = [
     "HandOver",
     "InexactRecoveryWarning",
+    "Moved",
     "Recovered",
     "RecoveryPolicy",
     "ShardBuddy",
@@ -31,8 +33,11 @@ __all__ = [
     "communicators",
     "drop_replicas",
     "hand_over",
+    "moves",
     "recover_in_place",
     "recoverable",
+    "resplit",
+    "sharded_pieces",
     "shrink_only",
     "whole_replicas",
     "zero2_candidates",

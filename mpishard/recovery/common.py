@@ -32,6 +32,8 @@ class Recovered:
         error: MPI's error string of the failure.
         dropped_ranks, data_parallel_size: ``"replica"`` only.
         buddy_bytes, buddy_seconds: with buddy copies, what they cost so far.
+        moved_bytes: ``"buddy"``: the bytes this rank sent to others to re-split
+            the sharded state over the survivors.
     """
 
     lost_ranks: list[int]
@@ -47,6 +49,7 @@ class Recovered:
     data_parallel_size: int | None = None
     buddy_bytes: int | None = None
     buddy_seconds: float | None = None
+    moved_bytes: int | None = None
 
     def record(self) -> dict[str, Any]:
         """The event as a JSON-ready dict (``"event": "recovered"``, ``"from"``:
@@ -56,7 +59,8 @@ class Recovered:
                "shrink_seconds": self.shrink_seconds, "survivor_steps": self.survivor_steps,
                "rolled_back_from": self.rolled_back_from, "from": self.source,
                "error": self.error}
-        for name in ("dropped_ranks", "data_parallel_size", "buddy_bytes", "buddy_seconds"):
+        for name in ("dropped_ranks", "data_parallel_size", "buddy_bytes", "buddy_seconds",
+                     "moved_bytes"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value

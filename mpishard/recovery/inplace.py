@@ -8,12 +8,15 @@ from typing import Any
 
 from ..checkpoint import CheckpointManager
 from ..comm import FlatComm, ulfm
+from ..config import ShardingConfiguration
 from ..errors import HandOver, InexactRecoveryWarning
 from ..exitcodes import EXIT_STOPPED
+from ..flat import Range, shard_ranges
 from ..protocols import RecoverableCore, StrategyCore
 from .common import Recovered, StepMarks, error_text, put_state, survivors_config
 from .replicas import drop_replicas
-from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
+from .resplit import Moved, resplit
+from .shardcopy import ShardBuddy, sharded_pieces, zero2_candidates
 
 __all__ = ["communicators", "recover_in_place", "recoverable", "shrink_only"]
 
@@ -75,11 +78,11 @@ def recover_in_place(core: StrategyCore, exc: BaseException | None = None, *,
     if core.drops_replicas:   # whole replicas go on
         return core, drop_replicas(core, rec, buddy=buddy, marks=marks, exc=exc)
     # How the placement's state is put back: sent by a survivor (replicated), or
-    # put together from the survivors' shards and the buddy copies (sharded).
+    # moved shard to shard from the survivors' shards and the buddy copies (sharded).
     sharded = core.placement.recovery == "sharded"
-    step, model, full = rec.step, core.model, None
+    step, model, pieces = rec.step, core.model, None
     if sharded:
-        step, full = _sharded_state(core, buddy, rec, checkpoints)
+        step, pieces = _sharded_pieces(core, buddy, rec, checkpoints)
     config = survivors_config(old, rec.world.comm)
     world = config.groups.world
     state = core.state
@@ -87,33 +90,38 @@ def recover_in_place(core: StrategyCore, exc: BaseException | None = None, *,
                                                        core.data_position)
     skipped, position = marks.agreed(world, core, step, world.allgather(core.step_count),
                                      rec.source)
+    moved = Moved()
+    rolled_back = None
     if not sharded:
         world.Bcast(model.params, root=rec.source)
-    core.rebuild(config)
-    rolled_back = None
-    if sharded and full is None:
-        rolled_back = _roll_back(core, checkpoints, rec, world)
+        core.rebuild(config)
+        put_state(core, None, state, world, rec.source)
+    elif pieces is not None:
+        _resplit_rebuild(core, config, pieces, moved)
     else:
-        put_state(core, full, state, world, rec.source)
+        _rebuild_empty(core, config)
+        rolled_back = _roll_back(core, checkpoints, rec, world)
     if rolled_back is None:
         core.set_progress(step_count=step, skipped_steps=skipped, data_position=position)
     # The shrunk communicator stays allocated: it is the new configuration's ``comm``.
     event = Recovered(lost_ranks=rec.lost, step=core.step_count, world_size=world.size,
                       seconds=time.perf_counter() - t0, shrink_seconds=rec.seconds,
                       survivor_steps=rec.steps, rolled_back_from=rolled_back,
-                      source=("checkpoint" if rolled_back else "buddy" if full is not None
+                      source=("checkpoint" if rolled_back else "buddy" if pieces is not None
                               else "survivor"),
-                      error=error_text(exc))
+                      error=error_text(exc),
+                      moved_bytes=moved.bytes if pieces is not None else None)
     return core, event
 
 
-def _sharded_state(core: RecoverableCore, buddy: ShardBuddy | None, rec: ulfm.Survivors,
-                   checkpoints: CheckpointManager | None) -> tuple[int, Any]:
-    """``(step, whole state)`` of a sharded placement, put together from the
-    survivors' shards and buddy copies (None: it cannot be, and a roll-back to
-    ``checkpoints`` follows); the model given its whole vector for ``rebuild()``
-    to shard again without gathering over the broken group. Collective over
-    ``rec.world``.
+def _sharded_pieces(core: RecoverableCore, buddy: ShardBuddy | None, rec: ulfm.Survivors,
+                    checkpoints: CheckpointManager | None
+                    ) -> tuple[int, list[tuple[Range, dict[str, Any]]] | None]:
+    """``(step, pieces)`` of a sharded placement: the newest step the survivors'
+    shards and buddy copies rebuild exactly, and what this rank holds of it
+    ([`sharded_pieces`][mpishard.recovery.shardcopy.sharded_pieces]); None: it
+    cannot be rebuilt, and a roll-back to ``checkpoints`` follows. Collective
+    over ``rec.world``.
 
     Raises:
         HandOver: on every survivor, no buddy copy of a lost shard and no checkpoints.
@@ -121,17 +129,49 @@ def _sharded_state(core: RecoverableCore, buddy: ShardBuddy | None, rec: ulfm.Su
     found = zero2_candidates(core, buddy, rec.world)
     if found:
         step = max(found)
-        params, full = zero2_rebuild(core, buddy, rec.world, step)
-        core.whole_parameters(params)
-        return step, full
+        return step, sharded_pieces(core, buddy, rec.world, step)
     if checkpoints is None:
         raise HandOver("cannot recover ZeRO-2 in place: the lost rank's shard of the "
                        "optimizer state is gone (no buddy copy of it) and there is no "
                        "checkpoint folder; restart from a checkpoint",
                        exit_code=EXIT_STOPPED, speaker=rec.world.rank == 0)
-    if core.model.params is None:     # the roll-back overwrites it from the checkpoint
-        core.whole_parameters(core.xp.zeros(core.layout.size, dtype=core.dtype))
     return rec.step, None
+
+
+def _resplit_rebuild(core: RecoverableCore, config: ShardingConfiguration,
+                     pieces: list[tuple[Range, dict[str, Any]]], moved: Moved) -> None:
+    """``core`` rebuilt over ``config`` and its sharded parameters and state moved
+    from ``pieces`` to the new shards ([`resplit`][mpishard.recovery.resplit.resplit],
+    straight into the rebuilt core's arrays): ZeRO-3's parameters stay sharded
+    (nothing whole on any rank); ZeRO-2's, which every rank holds whole, are put
+    together from the new shards with its ``Allgatherv`` first. Collective over
+    ``config.world``."""
+    dp, xp, model = config.groups.dp, core.xp, core.model
+    shards = shard_ranges(core.layout.size, dp.size)
+    new = shards[dp.rank]
+    dtypes = {name: value.dtype for name, value in pieces[0][1].items()}
+    if model.params is None:           # sharded parameters: rebuilt sharded
+        params = resplit(dp, pieces, new, {"params": dtypes.pop("params")}, xp, moved)
+        core.rebuild(config, shard=params["params"])    # kept as the new shard
+        resplit(dp, pieces, new, dtypes, xp, moved, out=core.state)
+        return
+    resplit(dp, pieces, new, {"params": dtypes.pop("params")}, xp, moved,
+            out={"params": model.params[new.start:new.stop]})
+    if dp.size > 1:
+        dp.Allgatherv(model.params, [len(s) for s in shards], slot="recovery")
+    core.rebuild(config)
+    resplit(dp, pieces, new, dtypes, xp, moved, out=core.state)
+
+
+def _rebuild_empty(core: RecoverableCore, config: ShardingConfiguration) -> None:
+    """``core`` rebuilt over ``config`` for a roll-back to overwrite: ZeRO-3's
+    parameters sharded (zeros, nothing whole). Collective over ``config.world``."""
+    if core.model.params is None:
+        dp = config.groups.dp
+        shard = shard_ranges(core.layout.size, dp.size)[dp.rank]
+        core.rebuild(config, shard=core.xp.zeros(len(shard), dtype=core.dtype))
+    else:
+        core.rebuild(config)
 
 
 def _roll_back(core: RecoverableCore, checkpoints: CheckpointManager, rec: ulfm.Survivors,

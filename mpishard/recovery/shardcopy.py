@@ -16,8 +16,12 @@ the step every survivor completed (the state as it is, the lost shards from thei
 copies), or the step before it (a survivor that had updated takes its shard back
 from before the update; the lost shards come from the older copies).
 ``zero2_candidates`` says which of them the survivors of one data-parallel
-group can rebuild; ``zero2_rebuild`` rebuilds the whole parameters and state at
-one of them. The survivors then train the interrupted step again, over fewer ranks.
+group can rebuild; ``sharded_pieces`` is what a survivor holds of one of them
+(its shard, a lost neighbour's copy), moved shard to shard to the new split by
+[`resplit`][mpishard.recovery.resplit] (no rank holds the whole vector);
+``zero2_rebuild`` puts the whole stage vectors together instead (3D layouts,
+[`mpishard.recovery.replicas`][mpishard.recovery.replicas]). The survivors then
+train the interrupted step again, over fewer ranks.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ from typing import Any
 
 import numpy as np
 
+from ..backend import to_numpy
 from ..comm import FlatComm
 from ..flat import Range
 from ..protocols import RecoverableCore
 
-__all__ = ["ShardBuddy", "zero2_candidates", "zero2_rebuild"]
+__all__ = ["ShardBuddy", "sharded_pieces", "zero2_candidates", "zero2_rebuild"]
 
 #: The tag of the buddy copies' messages over the data-parallel group.
 _BUDDY_TAG = 0x4255
@@ -55,8 +60,10 @@ class ShardBuddy:
     so far). Under ZeRO-2 the parameters are not sent: each rank copies its
     neighbour's shard out of the full vector the ``Allgatherv`` just rebuilt;
     under ZeRO-3, which holds no full vector, the parameter shard is exchanged
-    with the state. NumPy state only (a device array: no copy is kept; a lost
-    shard is then rolled back to a checkpoint).
+    with the state. The copies are host (NumPy) arrays whatever the state's
+    array library: a device (CuPy) shard is sent through the group's staging
+    (or directly, CUDA-aware MPI) and kept in host memory, so the device holds
+    no more than before.
     """
 
     def __init__(self, strategy: RecoverableCore) -> None:
@@ -68,8 +75,7 @@ class ShardBuddy:
         self.sharded = strategy.placement.sharded     # the shards and their state
         length = len(self.sharded.shards[self.holds])
         dtype = strategy.dtype
-        self.active = n > 1 and all(isinstance(v, np.ndarray)
-                                    for v in (own_parameters(strategy), *strategy.state.values()))
+        self.active = n > 1
         self.copies = [{"params": np.zeros(length if self.active else 0, dtype=dtype),
                         **{name: np.zeros(length if self.active else 0, dtype=value.dtype)
                            for name, value in strategy.state.items()}} for _ in range(2)]
@@ -121,7 +127,7 @@ class ShardBuddy:
             handles.append(self.dp.Isend(value, left, _BUDDY_TAG + i, slot=("buddy", i)))
         if whole:
             held = self.sharded.shards[self.holds]
-            copy["params"][...] = params[held.start:held.stop]
+            copy["params"][...] = to_numpy(params[held.start:held.stop])
         for handle in handles:
             handle.wait()
         self.steps[k] = self.completed = step
@@ -174,6 +180,28 @@ def zero2_candidates(strategy: RecoverableCore, buddy: ShardBuddy | None,
     return found
 
 
+def sharded_pieces(strategy: RecoverableCore, buddy: ShardBuddy | None, group: FlatComm,
+                   step: int) -> list[tuple[Range, dict[str, Any]]]:
+    """What this survivor holds of the sharded parameters and state at ``step``
+    (one of ``zero2_candidates``): its own shard (as it is, or its copy from
+    before the update) and the buddy copy of a lost neighbour's, as
+    ``(world range, arrays by name)`` for
+    [`resplit`][mpishard.recovery.resplit.resplit]; nothing whole. Collective
+    over ``group`` (every survivor of ``strategy.dp``)."""
+    every = group.allgather(_report(strategy, buddy))
+    lost = set(range(strategy.dp.size)) - {e[0] for e in every}
+    sharded = strategy.placement.sharded
+    own = {"params": own_parameters(strategy), **strategy.state}
+    if strategy.step_count != step:
+        own = sharded.previous
+    pieces = [(sharded.shard, own)]
+    if buddy is not None and buddy.holds in lost and buddy.holds != strategy.dp.rank:
+        xp = strategy.xp     # the copy is in host memory: to the state's library
+        copy = {name: xp.asarray(value) for name, value in buddy.copy_of(step).items()}
+        pieces.append((sharded.shards[buddy.holds], copy))
+    return pieces
+
+
 def zero2_rebuild(strategy: RecoverableCore, buddy: ShardBuddy | None, group: FlatComm,
                   step: int) -> tuple[Any, dict[str, Any]]:
     """The whole parameters and optimizer state of ``strategy.dp`` at ``step`` (one
@@ -197,9 +225,9 @@ def zero2_rebuild(strategy: RecoverableCore, buddy: ShardBuddy | None, group: Fl
     for name, value in own.items():
         whole = xp.zeros(size, dtype=value.dtype)
         whole[shard.start:shard.stop] = value
-        if copy is not None:   # a buddy is active with NumPy arrays only
+        if copy is not None:   # host memory: to the state's library
             held = sharded.shards[buddy.holds]
-            whole[held.start:held.stop] = copy[name]
+            whole[held.start:held.stop] = xp.asarray(copy[name])
         group.Allreduce(whole.view(xp.uint8), slot=("rebuild", name), op="bor")
         full[name] = whole
     params = full.pop("params")

@@ -6,23 +6,26 @@ saying why. Each test starts ``mpirun --with-ft ulfm -n 3`` (4 where two ranks d
 
 Each job trains a float64 MLP (Adam, global batch 24 re-split over whoever is
 there, 4 epochs of 8 steps) with ``optimize()``. The kill matrix (:data:`MATRIX`):
-DDP and ZeRO-2, a seeded draw of the victims (any rank, 0 included: the metrics
+the registry's strategies by name (DDP, ZeRO-2, ZeRO-3 and variants: ``-ring``,
+``-noprefetch``), a seeded draw of the victims (any rank, 0 included: the metrics
 file then moves to the new rank 0; two at once, never neighbours) and of the step;
 the phase is the test's: the forward/backward, a bucket's ``Iallreduce`` (small
 buckets: several per step), the step's ``Allreduce``, ZeRO-2's parameter
-``Allgatherv`` (after the others updated their shards) and its buddy exchange, the
+``Allgatherv`` (after the others updated their shards), ZeRO-3's parameter
+gathers (of a step or of an evaluation), the buddy exchange, the
 loop's stop agreement, a checkpoint save, an evaluation at the end of an epoch.
 The victims SIGKILL themselves there. The reference, computed earlier in the same
 job: the same training on all ranks up to the step the survivors must agree on
 (the step before the kill, or the kill's step itself when the ranks died after
 completing it: stop agreement, checkpoint save, evaluation), then on the
 survivors only (a communicator without the victims, on purpose). Parameters
-must agree to rtol 1e-12 (they are equal here); ``result.recoveries`` and the
-metrics file's ``recovered`` record say what happened. ZeRO-2 without buddy
-copies rolls back to its newest checkpoint (reference: 3 ranks to that
-checkpoint, the survivors from it). Fewer survivors than ``min_workers``:
-checkpoint, one line, exit 75. In reproducible mode the run ends with the bits of
-a 3-rank run that lost nothing (DDP, and ZeRO-2 killed in the Allgatherv). Also:
+(gathered from ZeRO-3's shards) must agree to rtol 1e-12 (they are equal
+here); ``result.recoveries`` and the metrics file's ``recovered`` record say
+what happened. ZeRO-2 without buddy copies (ZeRO-3 too) rolls back to its
+newest checkpoint (reference: 3 ranks to that checkpoint, the survivors from
+it). Fewer survivors than ``min_workers``: checkpoint, one line, exit 75. In
+reproducible mode the run ends with the bits of a 3-rank run that lost nothing
+(DDP, ZeRO-2 killed in the Allgatherv, ZeRO-3 in a gather). Also:
 ``mpishard train --fault-tolerance`` (DDP goes on; a tensor-parallel layout
 hands over with 75) and ``mpishard run --fault-tolerance ulfm`` (no relaunch on a
 death).
@@ -44,9 +47,9 @@ import json, os, signal, socket, sys, tempfile
 import numpy as np
 from mpi4py import MPI
 from mpishard import ShardingConfiguration
-from mpishard.strategies import DDPOptimizer, ZeRO2Optimizer
+from mpishard.strategies import STRATEGIES
 from mpishard.checkpoint import CheckpointManager
-from mpishard.comm import ulfm
+from mpishard.comm import FlatComm, ulfm
 from mpishard.nn import MLP
 from mpishard.optim import Adam
 from mpishard.train import StopRequest
@@ -63,10 +66,11 @@ EPOCHS, ROWS = 4, 24
 # The victims die after completing step KILL (every survivor completed it too), or
 # inside it: the survivors then go on from the step before (ZeRO-2 with a death in
 # the Allgatherv or the buddy exchange too: the survivors that had updated take their
-# shards back; without buddy copies: rolled back to the newest checkpoint).
+# shards back; without buddy copies: rolled back to the newest checkpoint; ZeRO-3
+# without them always is, the lost parameter shard being nowhere else).
 AFTER = PHASE in ("stop", "checkpoint", "evaluation")
 AGREED = KILL if AFTER else KILL - 1
-if STRATEGY.startswith("zero2") and PHASE in ("allgather", "exchange") and not BUDDY:
+if not BUDDY and (STRATEGY.startswith("zero3") or PHASE in ("allgather", "exchange")):
     AGREED = (AGREED // EVERY) * EVERY
 rank = MPI.COMM_WORLD.rank
 VICTIM = rank if rank in VICTIMS else VICTIMS[0]
@@ -74,13 +78,17 @@ rng = np.random.default_rng(0)
 X = rng.standard_normal((8 * ROWS, 5))
 Y = rng.integers(0, 3, 8 * ROWS)
 base = tempfile.gettempdir() + "/ulfm-train-" + os.environ.get("JOBTAG", "x")
-Strategy = DDPOptimizer if STRATEGY == "ddp" else ZeRO2Optimizer
-extra = {{}} if STRATEGY == "ddp" else {{
-    "reduce_method": "ring" if STRATEGY == "zero2-ring" else "allreduce", "buddy_copies": BUDDY}}
+NAME = STRATEGY.split("-")[0]           # a registry name, then a variant
+Strategy = STRATEGIES[NAME].public_class
+extra = {{}} if NAME == "ddp" else {{
+    "reduce_method": "ring" if STRATEGY.endswith("-ring") else "allreduce", "buddy_copies": BUDDY}}
+if NAME == "zero3":
+    extra["prefetch"] = not STRATEGY.endswith("-noprefetch")
 
 
-def fresh():
-    return MLP([5, 16, 3], activation="tanh", dtype=np.float64, seed=1)
+def fresh():      # ZeRO-3: two hidden layers, for several parameter gathers a pass
+    sizes = [5, 16, 16, 3] if NAME == "zero3" else [5, 16, 3]
+    return MLP(sizes, activation="tanh", dtype=np.float64, seed=1)
 
 
 def make(comm, model):
@@ -92,9 +100,16 @@ def train(opt, model, **kw):
     return opt.optimize(model, (X, Y), epochs=EPOCHS, batch_size=ROWS, seed=3, **kw)
 
 
+def gathered(opt):     # the whole parameter vector (ZeRO-3: gathered from the shards)
+    with opt.gathered_parameters() as params:
+        return np.array(params)
+
+
 # --- the run that loses no rank (reproducible mode: the same bits as the others) ---
-whole = fresh()
-train(make(MPI.COMM_WORLD, whole), whole)
+model = fresh()
+opt = make(MPI.COMM_WORLD, model)
+train(opt, model)
+whole = gathered(opt)
 
 # --- the reference: 3 ranks up to AGREED, then the survivors alone ---
 ref = fresh()
@@ -103,13 +118,14 @@ train(opt, ref, max_steps=AGREED)
 ref_dir = base + "-ref"
 keeper = CheckpointManager(ref_dir, keep=1)
 keeper.save(ref, opt)
+ref = None
 two = MPI.COMM_WORLD.Split(MPI.UNDEFINED if rank in VICTIMS else 0, rank)
 if rank not in VICTIMS:
     model2 = fresh()
     opt2 = make(two, model2)
     keeper.load_latest(model2, opt2)
     train(opt2, model2)
-    ref = model2
+    ref = gathered(opt2)
 MPI.COMM_WORLD.Barrier()
 
 # --- the run that loses VICTIM at step KILL, in PHASE ---
@@ -146,6 +162,30 @@ if rank in VICTIMS:
                     die()
             return real_i(self, *a, **k)
         setattr(type(dp), name, reduction)
+    elif PHASE == "gather" or (PHASE == "evaluation" and NAME == "zero3"):
+        # ZeRO-3: the third parameter gather of step KILL - 1 (blocking or not, as
+        # prefetch has it), or the second one of the evaluation after step KILL.
+        real_i, real_b = FlatComm.Iallgatherv, FlatComm.Allgatherv
+        calls, evaluating = [0], [False]
+        def count(self):
+            if self is opt.core.gather_comm and (
+                    evaluating[0] if PHASE == "evaluation" else opt.step_count == KILL - 1):
+                calls[0] += 1
+                if calls[0] == (2 if PHASE == "evaluation" else 3):
+                    die()
+        def Iallgatherv(self, *a, **k):
+            count(self)
+            return real_i(self, *a, **k)
+        def Allgatherv(self, *a, **k):
+            count(self)
+            return real_b(self, *a, **k)
+        FlatComm.Iallgatherv, FlatComm.Allgatherv = Iallgatherv, Allgatherv
+        if PHASE == "evaluation":         # at the end of the epoch of step KILL
+            real_e = reporting.evaluate
+            def evaluate(*a, **k):
+                evaluating[0] = opt.step_count == KILL
+                return real_e(*a, **k)
+            reporting.evaluate = evaluate
     elif PHASE == "step":
         real_a = type(dp).Allreduce
         def Allreduce(self, buf, *a, slot=None, **k):
@@ -195,6 +235,8 @@ options = dict(checkpoints=manager, checkpoint_every=EVERY, metrics_path=metrics
 if PHASE == "evaluation":
     options["validation"] = (X[:30], Y[:30])
 result = train(opt, model, **options)
+final = gathered(opt)
+held = opt.core.parameter_shard()[1].size
 if opt.config.world.rank == 0:
     events = [json.loads(line) for line in open(metrics)]
     print("RESULT " + json.dumps({{
@@ -203,10 +245,12 @@ if opt.config.world.rank == 0:
         "first_step": result.first_step, "last_step": result.last_step,
         "recovered_records": [e for e in events if e["event"] == "recovered"],
         "checkpoints": [s for s, _ in manager.checkpoints()],
-        "vs_reference": float(np.max(np.abs(model.params - ref.params) / np.abs(ref.params))),
-        "allclose_reference": bool(np.allclose(model.params, ref.params, rtol=1e-12, atol=0)),
-        "equal_reference": bool(np.array_equal(model.params, ref.params)),
-        "equal_uninterrupted": bool(np.array_equal(model.params, whole.params)),
+        "vs_reference": float(np.max(np.abs(final - ref) / np.abs(ref))),
+        "allclose_reference": bool(np.allclose(final, ref, rtol=1e-12, atol=0)),
+        "equal_reference": bool(np.array_equal(final, ref)),
+        "equal_uninterrupted": bool(np.array_equal(final, whole)),
+        "sharded": model.params is None, "held": held,
+        "shard": len(opt.core.shard) if NAME == "zero3" else held,     # else whole
     }}), flush=True)
 ulfm.leave(0)      # not MPI_Finalize: it may wait for the dead rank (ompi#11404)
 """
@@ -247,7 +291,13 @@ MATRIX = [("ddp", "forward", 1, 3, 1), ("ddp", "bucket", 2, 3, 1), ("ddp", "step
           ("zero2", "forward", 11, 3, 1), ("zero2", "bucket", 12, 3, 1),
           ("zero2", "allgather", 13, 3, 1), ("zero2", "exchange", 14, 3, 1),
           ("zero2", "checkpoint", 15, 3, 1), ("zero2", "evaluation", 17, 3, 1),
-          ("zero2", "allgather", 19, 4, 2), ("zero2-ring", "bucket", 20, 3, 1)]
+          ("zero2", "allgather", 19, 4, 2), ("zero2-ring", "bucket", 20, 3, 1),
+          # ZeRO-3 (no rank holds the whole vector): its gathers, shard to shard after.
+          ("zero3", "forward", 1, 3, 1), ("zero3", "gather", 2, 3, 1),
+          ("zero3-noprefetch", "gather", 3, 3, 1), ("zero3", "bucket", 4, 3, 1),
+          ("zero3", "step", 5, 3, 1), ("zero3", "exchange", 6, 3, 1),
+          ("zero3", "checkpoint", 7, 3, 1), ("zero3", "evaluation", 8, 3, 1),
+          ("zero3", "gather", 9, 4, 2)]
 
 
 @pytest.mark.parametrize("strategy,phase,seed,ranks,lose", MATRIX,
@@ -277,7 +327,7 @@ def test_a_rank_killed_inside_optimize_is_recovered_exactly(tmp_path, strategy, 
     for rec in recs:
         assert rec["step"] == agreed, (rec, kill)
     for rec in losing:
-        assert rec["from"] == ("buddy" if strategy.startswith("zero2") else "survivor"), rec
+        assert rec["from"] == ("buddy" if strategy.startswith("zero") else "survivor"), rec
     rec = recs[0]
     print(f"{strategy} {phase}: recovery {rec['seconds']:.4f} s (shrink+agree "
           f"{rec['shrink_seconds']:.4f} s), vs reference {result['vs_reference']:.2e}"
@@ -285,6 +335,9 @@ def test_a_rank_killed_inside_optimize_is_recovered_exactly(tmp_path, strategy, 
     assert result["steps"] == 32 and result["world_size"] == left, result   # 4 epochs x 8
     assert result["losses"] == 32 and result["last_step"] == 32, result
     assert result["allclose_reference"], result
+    # Resharded over the survivors (ZeRO-3: sharded still, its shard only).
+    assert result["sharded"] == strategy.startswith("zero3"), result
+    assert result["held"] == result["shard"], result
     records = result["recovered_records"]
     assert [r["lost_ranks"] for r in records] == [r["lost_ranks"] for r in recs], records
     assert all(r["step"] == agreed for r in records), records
@@ -323,13 +376,14 @@ def test_zero2_recovers_the_lost_shard_from_its_buddy_copy(tmp_path):
     assert job.returncode in (0, None), out
 
 
-def test_zero2_rolls_back_to_its_newest_checkpoint_over_the_survivors(tmp_path):
+@pytest.mark.parametrize("strategy,phase", [("zero2", "allgather"), ("zero3", "step")])
+def test_sharded_state_rolls_back_to_its_newest_checkpoint_over_the_survivors(tmp_path,
+                                                                             strategy, phase):
     # Without buddy copies (buddy_copies=False), killed in ZeRO-2's Allgatherv of the
-    # parameters (after the update of step KILL): the lost shard's state is gone; the
-    # survivors roll back to the newest checkpoint, resharded over 2, with a warning,
-    # and train the steps since again.
-    job, [victim], kill = run_job(tmp_path, "allgather", strategy="zero2", seed=6,
-                                  buddy=False)
+    # parameters (after the update of step KILL), or in ZeRO-3's step: the lost
+    # shard is gone; the survivors roll back to the newest checkpoint, resharded
+    # over 2 (ZeRO-3: read in shards), with a warning, and train the steps since again.
+    job, [victim], kill = run_job(tmp_path, phase, strategy=strategy, seed=6, buddy=False)
     out = job.stdout
     match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
     assert match, out
@@ -338,9 +392,10 @@ def test_zero2_rolls_back_to_its_newest_checkpoint_over_the_survivors(tmp_path):
     [rec] = result["recoveries"]
     assert rec["lost_ranks"] == [victim] and rec["step"] == back, (rec, kill)
     assert rec["rolled_back_from"] == f"{tmp_path}/jx-run/ckpt-{back:010d}.h5", rec
-    assert rec["survivor_steps"] == [kill, kill], rec      # they had done step KILL
+    done = kill if phase == "allgather" else kill - 1      # ZeRO-2 had done step KILL
+    assert rec["survivor_steps"] == [done, done], rec
     assert rec["from"] == "checkpoint", rec
-    assert "InexactRecoveryWarning" in out and f"rolled back from step {kill}" in out, out
+    assert "InexactRecoveryWarning" in out and f"rolled back from step {done}" in out, out
     assert result["steps"] == 32 and result["allclose_reference"], result
     assert job.returncode in (0, None), out
 
@@ -467,7 +522,8 @@ def test_fault_tolerance_option_of_mpishard_train(tmp_path):
         plan_runs({"config": str(toml)}, 1)
 
 
-@pytest.mark.parametrize("strategy,phase", [("ddp", "step"), ("zero2", "allgather")])
+@pytest.mark.parametrize("strategy,phase", [("ddp", "step"), ("zero2", "allgather"),
+                                            ("zero3", "gather")])
 def test_reproducible_mode_ends_with_the_bits_of_the_run_that_lost_no_rank(tmp_path, strategy,
                                                                          phase):
     # ShardingConfiguration(reproducible=True): every sum is independent of the number
@@ -483,3 +539,117 @@ def test_reproducible_mode_ends_with_the_bits_of_the_run_that_lost_no_rank(tmp_p
     assert rec["lost_ranks"] == [victim] and rec["step"] == kill - 1, rec
     assert result["equal_uninterrupted"] and result["equal_reference"], result
     assert job.returncode in (0, None), out
+
+
+MEMORY = r"""
+import json, os, signal, tracemalloc
+import numpy as np
+from mpi4py import MPI
+from mpishard import ShardingConfiguration
+from mpishard.comm import ulfm
+from mpishard.nn import MLP
+from mpishard.optim import Adam
+from mpishard.strategies import STRATEGIES
+import mpishard.recovery.policy as policy
+
+VICTIM, KILL, STRATEGY = {victim}, {kill}, {strategy!r}
+rank = MPI.COMM_WORLD.rank
+rng = np.random.default_rng(0)
+X = rng.standard_normal((4 * 24, 8))
+Y = rng.integers(0, 3, 4 * 24)
+
+
+def run(kill):
+    model = MLP([8] + [64] * 40 + [3], activation="tanh", dtype=np.float64, seed=1)
+    config = ShardingConfiguration(MPI.COMM_WORLD, timeout=60, fault_tolerance="ulfm",
+                                   reproducible=True)
+    opt = STRATEGIES[STRATEGY].public_class(Adam(lr=1e-2), config, model=model,
+                                            bucket_mb=0.1, reduce_method="allreduce")
+    if kill and rank == VICTIM:
+        real = model.forward_backward
+        def forward_backward(*a, **k):
+            if opt.step_count == KILL:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **k)
+        model.forward_backward = forward_backward
+    result = opt.optimize(model, (X, Y), epochs=3, batch_size=24, seed=3)
+    with opt.gathered_parameters() as params:
+        return np.array(params), result, opt
+
+
+whole, _, _ = run(False)
+size = whole.size
+MPI.COMM_WORLD.Barrier()
+# The recovery call measured on every survivor: the peak of what it allocates.
+real_recover, peaks = policy.recover_in_place, []
+def recover_in_place(*a, **k):
+    tracemalloc.start()
+    try:
+        return real_recover(*a, **k)
+    finally:
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+policy.recover_in_place = recover_in_place
+final, result, opt = run(True)
+every = opt.config.world.allgather(peaks)
+if opt.config.world.rank == 0:
+    print("RESULT " + json.dumps({{
+        "recoveries": result.recoveries, "steps": opt.step_count, "peaks": every,
+        "whole_bytes": 3 * size * 8, "shard_bytes": 3 * len(opt.core.shard) * 8,
+        "equal_uninterrupted": bool(np.array_equal(final, whole))}}), flush=True)
+ulfm.leave(0)
+"""
+
+
+@pytest.mark.parametrize("strategy", ["zero3"])
+def test_sharded_recovery_allocates_no_whole_vector(strategy):
+    # 4 ranks, a seeded worker SIGKILLed in its forward: each survivor's recovery
+    # call (tracemalloc) allocates less than the whole parameter vector with its
+    # Adam state (0.5 put all three together on every survivor: more than that),
+    # and the run ends with the bits of the run that lost nothing (reproducible).
+    _ft_or_skip()
+    rng = np.random.default_rng(30)
+    victim, kill = int(rng.integers(0, 4)), int(rng.integers(3, 10))
+    job = ulfm_job(4, MEMORY.format(victim=victim, kill=kill, strategy=strategy), timeout=120)
+    match = re.search(r"^RESULT (.*)$", job.stdout, re.MULTILINE)
+    assert match, job.stdout
+    result = json.loads(match.group(1))
+    [rec] = result["recoveries"]
+    assert rec["lost_ranks"] == [victim] and rec["from"] == "buddy", rec
+    peaks = [p for ranks in result["peaks"] for p in ranks]
+    print(f"{strategy} recovery: peak {max(peaks)} B on a survivor; whole parameters and "
+          f"state {result['whole_bytes']} B, new shard of them {result['shard_bytes']} B; "
+          f"moved {rec.get('moved_bytes')} B")
+    assert len(peaks) == 3, result
+    assert max(peaks) < result["whole_bytes"], result
+    assert result["steps"] == 12 and result["equal_uninterrupted"], result
+
+
+# --- 3D: the replicas that lost a rank are dropped, as with hybrid ZeRO-2 -------------------
+def hybrid_zero3_job(job):
+    """``tests/faults/test_ulfm_hybrid.py``'s job, comparing the parameters gathered
+    from the ZeRO-3 shards (the stage model holds no whole vector)."""
+    old = ("vs = float(np.max(np.abs(model.params - ref.params) / np.abs(ref.params)))\n"
+           "every = world.allgather((vs, bool(np.allclose(model.params, ref.params, ")
+    new = ("assert model.params is None and ref.params is None\n"
+           "with opt.gathered_parameters() as p:\n"
+           "    mine = np.array(p)\n"
+           "with opt2.gathered_parameters() as p:\n"
+           "    theirs = np.array(p)\n"
+           "vs = float(np.max(np.abs(mine - theirs) / np.abs(theirs)))\n"
+           "every = world.allgather((vs, bool(np.allclose(mine, theirs, ")
+    assert old in job
+    return job.replace(old, new)
+
+
+@pytest.mark.parametrize("phase,tp,pp,seed", [("recv", 1, 2, 5), ("backward", 2, 1, 3)])
+def test_hybrid_zero3_replica_dropped_with_its_shards_rebuilt(tmp_path, monkeypatch, phase, tp,
+                                                              pp, seed):
+    # dp=2: each (tensor, stage) data group spans both replicas; its survivors (the
+    # dropped replica's alive rank included) put the stage's parameters and state
+    # together from their shards and the lost shards' buddy copies, then shard
+    # them again over the kept replica.
+    import test_ulfm_hybrid as hybrid
+
+    monkeypatch.setattr(hybrid, "JOB", hybrid_zero3_job(hybrid.JOB))
+    hybrid.check_dropped(tmp_path, phase, tp=tp, pp=pp, strategy="zero3", seed=seed)
