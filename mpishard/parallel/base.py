@@ -217,6 +217,9 @@ class DataParallelCore(OptionsHome, Progress):
                 1-D arrays (on every rank).
             MpiShardError: the parameter count or dtype differs between ranks.
         """
+        if self.config.is_spare:   # a waiting spare: attached when it is promoted
+            self.model = model
+            return
         started = time.perf_counter()
         self.dp.agree(_model_problem(model), TypeError)
         n, dtype = model.params.size, model.params.dtype.str

@@ -20,10 +20,12 @@ from .inplace import communicators, recover_in_place, recoverable, shrink_only
 from .policy import RecoveryPolicy
 from .replicas import drop_replicas, whole_replicas
 from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
+from .spares import Promoted, promote_spares, wait_as_spare
 
 __all__ = [
     "HandOver",
     "InexactRecoveryWarning",
+    "Promoted",
     "Recovered",
     "RecoveryPolicy",
     "ShardBuddy",
@@ -31,9 +33,11 @@ __all__ = [
     "communicators",
     "drop_replicas",
     "hand_over",
+    "promote_spares",
     "recover_in_place",
     "recoverable",
     "shrink_only",
+    "wait_as_spare",
     "whole_replicas",
     "zero2_candidates",
     "zero2_rebuild",
