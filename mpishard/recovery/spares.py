@@ -43,6 +43,8 @@ from ..comm.spares import SparePool
 from ..config import ShardingConfiguration
 from ..errors import HandOver
 from ..exitcodes import EXIT_STOPPED
+from ..parallel.options import REDUCE_METHODS
+from ..parallel.overlap import known_decisions, learn_decisions
 from ..protocols import StrategyCore
 from .common import Recovered, StepMarks, error_text, put_state
 from .inplace import communicators, recoverable
@@ -128,6 +130,10 @@ def promote_spares(core: StrategyCore, exc: BaseException | None = None, *,
         info["source"] = rec.world.bcast(old.world.rank, root=rec.source)
         info["names"] = ([(k, v.dtype.str) for k, v in full.items()] if full is not None
                          else None)
+        # reduce_method="auto" was measured at the first attach, and a rebuild keeps
+        # it: a newcomer takes it instead of measuring alone.
+        info["reduce_method"] = getattr(core.reduction, "method", None)
+        info["overlap"] = known_decisions()   # overlap="auto": decided as before
     job, every = pool.shrink(old.world.rank)
     info = job.bcast(info, root=_first_trainer(every))
     rec.world.free()
@@ -229,6 +235,10 @@ def _send_state(core: StrategyCore, config: ShardingConfiguration, info: dict[st
     world = config.world
     root = world.allgather(bool(source)).index(True)
     model = core.model
+    if core.reduction is None:   # a newcomer decides as the survivors did
+        learn_decisions(info["overlap"])
+        if info["reduce_method"] in REDUCE_METHODS and hasattr(core.options, "reduce_method"):
+            core.replace_options(reduce_method=info["reduce_method"])
     sent = 0
     if info["names"] is not None:       # sharded: the whole vectors, each keeps its shard
         if full is None:

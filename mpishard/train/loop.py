@@ -228,6 +228,7 @@ class _Steps:
         kept = max(0, step - result.first_step)
         undone = result.last_step != step   # this rank's figures include other steps
         result.losses[:] = max(world.allgather(result.losses[:kept]), key=len)
+        result.samples = world.allreduce(result.samples, op="max")   # a promoted spare's: 0
         result.steps, result.last_step = step - result.first_step, step
         result.recoveries.append(event.record())
         # The oldest save of any rank (a promoted spare has made none).
