@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
@@ -13,7 +14,7 @@ from .comm.stuck import register as register_ranks
 from .errors import CommunicationError, MpiShardError, TopologyError
 from .topology import Topology
 
-__all__ = ["ShardingConfiguration"]
+__all__ = ["ShardingConfiguration", "default_spares"]
 
 
 @dataclass
@@ -107,6 +108,8 @@ class ShardingConfiguration:
             (``is_spare``; its groups are the rank alone). Not carried over by
             ``dataclasses.replace``: a configuration made so has none. Not kept
             as an attribute: ``spare_pool`` holds them (``spare_pool.count``).
+            None: ``MPISHARD_SPARES`` (``mpishard run --spares``) over
+            ``MPI.COMM_WORLD``, 0 over a given ``comm``.
 
     Raises:
         TopologyError: sizes that do not divide the communicator's size, or a
@@ -132,7 +135,7 @@ class ShardingConfiguration:
     evict_stuck: bool = False
     data_timeout: float | str | None = "timeout"
     io_timeout: float | str | None = "timeout"
-    spares: InitVar[int] = 0
+    spares: InitVar[int | None] = None
     topology: Topology = field(init=False)
     #: The spare ranks and the job's communicator over them and the training ranks
     #: (None: no spares were asked for).
@@ -140,7 +143,7 @@ class ShardingConfiguration:
     deadlines: Deadlines = field(init=False)
     _groups: ProcessGroups | None = field(init=False, default=None, repr=False)
 
-    def __post_init__(self, spares: int = 0) -> None:
+    def __post_init__(self, spares: int | None = None) -> None:
         if self.unit_rows is not None:
             if (not isinstance(self.unit_rows, numbers.Integral)
                     or isinstance(self.unit_rows, bool) or self.unit_rows < 1):
@@ -185,7 +188,8 @@ class ShardingConfiguration:
         self.comm = parent.comm
         # Not kept as ``self.spares``: ``dataclasses.replace`` (a configuration over
         # survivors) would split the spares off again.
-        spares = _spares(spares, world)
+        spares = _spares(default_spares() if spares is None and not given else spares or 0,
+                         world)
         if spares:
             world = self._split_spares(world, spares)
             if self.is_spare:
@@ -303,6 +307,13 @@ def _left_pending(given: bool, name: str) -> str:
             f"collective on {where} again (theirs would pair with this one: a hang, or "
             f"mixed data): use only point-to-point messages on it, then end the job with "
             f"{abort} (MPI_Finalize with a request pending is not valid MPI)")
+
+
+def default_spares() -> int:
+    """``spares`` when not given: ``MPISHARD_SPARES`` (set by ``mpishard run
+    --spares``), else 0. Local."""
+    text = os.environ.get("MPISHARD_SPARES", "").strip()
+    return int(text) if text.isdigit() else 0
 
 
 def _spares(spares: Any, world: FlatComm) -> int:

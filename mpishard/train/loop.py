@@ -225,6 +225,8 @@ class _Steps:
         """After a recovery: every survivor reports the steps up to the agreed one."""
         core, result = self.core, self.result
         world, step = core.config.world, core.step_count
+        # A promoted spare's call began at the recovery: the run's began before.
+        result.first_step = world.allreduce(result.first_step, op="min")
         kept = max(0, step - result.first_step)
         undone = result.last_step != step   # this rank's figures include other steps
         result.losses[:] = max(world.allgather(result.losses[:kept]), key=len)
