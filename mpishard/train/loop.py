@@ -58,7 +58,10 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
     core = strategy
     joined = None
     if core.config.is_spare:   # wait until promoted (or released: never used)
-        joined = wait_as_spare(core, model)
+        try:
+            joined = wait_as_spare(core, model)
+        except HandOver as over:   # the promotion failed: one line, exit 75
+            hand_over(over)
         if joined is None:
             return TrainResult(spare="unused")
     elif core.model is not model:

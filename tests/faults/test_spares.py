@@ -179,3 +179,49 @@ def test_a_spare_lost_while_waiting_then_all_used_then_one_more_loss():
     # over 3 ranks (the same global batches: float64 sums in another order).
     for r in result["ranks"]:
         assert r["error"] < 1e-10, r
+
+
+PROMOTION_JOB = r"""
+import os, signal, sys
+import numpy as np
+from mpi4py import MPI
+from mpishard import ShardingConfiguration
+from mpishard.comm import FlatComm, ulfm
+from mpishard.nn import MLP
+from mpishard.optim import Adam
+from strategies import build
+
+rank = MPI.COMM_WORLD.rank
+rng = np.random.default_rng(0)
+X, Y = rng.standard_normal((192, 5)), rng.integers(0, 3, 192)
+model = MLP([5, 16, 3], activation="tanh", dtype=np.float64, seed=1)
+config = ShardingConfiguration(timeout=60, fault_tolerance="ulfm", spares=1)
+opt = build("ddp", Adam(lr=1e-2), config, model=model)
+real = FlatComm.Bcast
+def Bcast(self, buf, *a, slot=None, **k):   # rank 2 dies as the state is sent
+    if rank == 2 and slot == ("spares", "params"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, buf, *a, slot=slot, **k)
+FlatComm.Bcast = Bcast
+def callback(step, loss):
+    if rank == 1 and step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+opt.optimize(model, (X, Y), epochs=2, batch_size=24, seed=3, callback=callback)
+print("NOT REACHED", flush=True)
+"""
+
+
+def test_a_rank_lost_during_the_promotion_ends_the_job_with_one_line():
+    _ft_or_skip()
+    code = f"import sys; sys.path.insert(0, {str(_support())!r})\n" + PROMOTION_JOB
+    job = ulfm_job(5, code, timeout=90)
+    out = job.stdout
+    assert job.returncode == 75, out
+    lines = [line for line in out.splitlines() if line.startswith("[mpishard]")]
+    assert len(lines) == 1, out     # the lowest survivor speaks; MPI's error is its own
+    assert re.fullmatch(
+        r"\[mpishard\] train: a rank was lost while spare world rank\(s\) \[4\] took the "
+        r"place\(s\) of lost training rank\(s\) \[1\] \(world rank\(s\) \[1\]\): "
+        r"MPI_ERR_(PROC_FAILED|REVOKED): .*; restart from a checkpoint; exiting with 75 to "
+        r"be relaunched", lines[0]), out
+    assert "Traceback" not in out and "NOT REACHED" not in out, out
