@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field
+import os
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from .comm import Deadlines, FlatComm, ProcessGroups, from_comm, ulfm
 from .comm.abort import install_abort_hook
+from .comm.spares import SparePool
 from .comm.stuck import register as register_ranks
-from .errors import CommunicationError, TopologyError
+from .errors import CommunicationError, MpiShardError, TopologyError
 from .topology import Topology
 
-__all__ = ["ShardingConfiguration"]
+__all__ = ["ShardingConfiguration", "default_spares"]
 
 
 @dataclass
@@ -97,13 +99,26 @@ class ShardingConfiguration:
             its group on this host that did not arrive (stopped, looping,
             deadlocked) instead of aborting, and the survivors recover as from a
             death ([`mpishard.comm.ulfm.enable`][mpishard.comm.ulfm.enable]).
+        spares: the last ``spares`` ranks of ``comm`` are spare ranks (ULFM only):
+            in no training group, they wait in ``optimize()`` (sleeping, holding
+            no model state) until ranks are lost, then take the lost ranks'
+            places, coordinates and state, so the job goes on at full size
+            ([`mpishard.recovery.spares`][mpishard.recovery.spares]); released at the
+            end of ``optimize()``. On a spare the configuration is a placeholder
+            (``is_spare``; its groups are the rank alone). Not carried over by
+            ``dataclasses.replace``: a configuration made so has none. Not kept
+            as an attribute: ``spare_pool`` holds them (``spare_pool.count``).
+            None: ``MPISHARD_SPARES`` (``mpishard run --spares``) over
+            ``MPI.COMM_WORLD``, 0 over a given ``comm``.
 
     Raises:
         TopologyError: sizes that do not divide the communicator's size, or a
             tensor group that would cross nodes; on every rank.
         ValueError: ``unit_rows`` not a positive integer or None;
             ``reproducible_sizes`` not positive integers or given with ``unit_rows``;
-            a timeout that is not positive seconds or None.
+            a timeout that is not positive seconds or None; ``spares`` not an
+            integer from 0 to the communicator's size - 1.
+        MpiShardError: ``spares`` where fault tolerance (ULFM) is off or not available.
     """
 
     comm: Any = None
@@ -120,11 +135,15 @@ class ShardingConfiguration:
     evict_stuck: bool = False
     data_timeout: float | str | None = "timeout"
     io_timeout: float | str | None = "timeout"
+    spares: InitVar[int | None] = None
     topology: Topology = field(init=False)
+    #: The spare ranks and the job's communicator over them and the training ranks
+    #: (None: no spares were asked for).
+    spare_pool: SparePool | None = field(init=False, default=None, repr=False)
     deadlines: Deadlines = field(init=False)
     _groups: ProcessGroups | None = field(init=False, default=None, repr=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, spares: int | None = None) -> None:
         if self.unit_rows is not None:
             if (not isinstance(self.unit_rows, numbers.Integral)
                     or isinstance(self.unit_rows, bool) or self.unit_rows < 1):
@@ -167,6 +186,14 @@ class ShardingConfiguration:
             # Without this activity: no group made below keeps it in its messages.
             world = parent.dup("training", context=False)
         self.comm = parent.comm
+        # Not kept as ``self.spares``: ``dataclasses.replace`` (a configuration over
+        # survivors) would split the spares off again.
+        spares = _spares(default_spares() if spares is None and not given else spares or 0,
+                         world)
+        if spares:
+            world = self._split_spares(world, spares)
+            if self.is_spare:
+                return
         # Every rank computes the same thing from the same arguments; should the
         # arguments differ between ranks, the agreement below still lets no rank hang.
         error = None
@@ -191,6 +218,45 @@ class ShardingConfiguration:
             ulfm.enable([g.world, g.dp, g.tp, g.pp], evict_stuck=self.evict_stuck)
         if self.abort_on_exception:
             install_abort_hook(world)
+
+    def _split_spares(self, world: FlatComm, spares: int) -> FlatComm:
+        """The training ranks' world, the last ``spares`` ranks set apart in
+        ``spare_pool`` (fault tolerance required); on a spare, its placeholder
+        groups over itself. Collective over ``world``."""
+        wanted = ulfm.wanted(self.fault_tolerance, world)
+        why = "" if wanted else ulfm.available()[1] or f"fault_tolerance={self.fault_tolerance!r}"
+        world.agree(None if wanted else
+                    f"spares={spares} needs fault tolerance (Open MPI 5 with ULFM, "
+                    f"mpirun --with-ft ulfm) to promote them, but it is off: {why}",
+                    MpiShardError)
+        size = world.size - spares
+        error = None
+        try:   # the layout of the training ranks, checked on every rank
+            self.topology = Topology.build(size, tp=self.tensor_parallel_size,
+                                           pp=self.pipeline_parallel_size,
+                                           dp=self.data_parallel_size)
+        except TopologyError as exc:
+            error = f"{exc} (of {world.size} ranks, {spares} are spares)"
+        world.agree(error, TopologyError)
+        self.spare_pool, world = SparePool.split(world, spares)
+        if self.is_spare:
+            self._groups = ProcessGroups.split(world, Topology.build(1))
+            if self.abort_on_exception:
+                install_abort_hook(self.spare_pool.job)
+        return world
+
+    @property
+    def is_spare(self) -> bool:
+        """This rank is a spare still waiting: its groups are itself alone, and
+        ``optimize()`` waits until it is promoted or released."""
+        return self.spare_pool is not None and self.spare_pool.waiting
+
+    def release_spares(self) -> None:
+        """Release the spares still waiting (their ``optimize()`` returns, never
+        used); ``optimize()`` does it at its end. Point-to-point over the pool
+        (every training rank calls it)."""
+        if self.spare_pool is not None and not self.is_spare:
+            self.spare_pool.release()
 
     @property
     def groups(self) -> ProcessGroups:
@@ -241,6 +307,26 @@ def _left_pending(given: bool, name: str) -> str:
             f"collective on {where} again (theirs would pair with this one: a hang, or "
             f"mixed data): use only point-to-point messages on it, then end the job with "
             f"{abort} (MPI_Finalize with a request pending is not valid MPI)")
+
+
+def default_spares() -> int:
+    """``spares`` when not given: ``MPISHARD_SPARES`` (set by ``mpishard run
+    --spares``), else 0. Local."""
+    text = os.environ.get("MPISHARD_SPARES", "").strip()
+    return int(text) if text.isdigit() else 0
+
+
+def _spares(spares: Any, world: FlatComm) -> int:
+    """``spares`` as an int, checked (agreed over ``world``).
+
+    Raises:
+        ValueError: not an integer from 0 to ``world.size - 1``, on every rank.
+    """
+    ok = (isinstance(spares, numbers.Integral) and not isinstance(spares, bool)
+          and 0 <= spares < world.size)
+    world.agree(None if ok else f"spares must be an integer from 0 to {world.size - 1} (the "
+                f"ranks but one), got {spares!r}", ValueError)
+    return int(spares)
 
 
 def _sizes(sizes: Any, unit_rows: int | None) -> tuple[int, ...]:

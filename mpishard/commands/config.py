@@ -96,6 +96,11 @@ OPTIONS: tuple[Option, ...] = (
            "other ranks exit 0) and goes on with the whole ones; hybrid with no whole "
            "replica left exits 75 for mpishard run to relaunch", _G_PAR,
            ("auto", "ulfm", "off")),
+    Option("spares", "int", None, "the last N ranks of the job are spare ranks (needs "
+           "fault tolerance, mpirun --with-ft ulfm): they wait, sleeping, and take the "
+           "place and state of lost ranks so the job goes on at full size (ddp, zero2, "
+           "zero3); released at the end (default: mpishard run --spares, else 0)", _G_PAR,
+           metavar="N"),
     Option("d_model", "int", 64, "GPT width", _G_MODEL),
     Option("heads", "int", 4, "GPT attention heads", _G_MODEL),
     Option("layers", "int", 2, "GPT transformer blocks", _G_MODEL),
@@ -169,6 +174,7 @@ class Settings:
     reproducible: bool
     reproducible_sizes: list[int] | None
     fault_tolerance: str
+    spares: int | None
     d_model: int
     heads: int
     layers: int
@@ -435,6 +441,13 @@ def check(s: Settings, world: int) -> None:
         raise UsageError(f"--lr must be positive, got {s.lr}")
     if s.hidden is not None and any(h < 1 for h in s.hidden):
         raise UsageError(f"--hidden widths must be positive, got {s.hidden}")
+    if s.spares is None:   # mpishard.config.default_spares (not imported: MPI stays down)
+        text = os.environ.get("MPISHARD_SPARES", "").strip()
+        s.spares = int(text) if text.isdigit() else 0
+    if not 0 <= s.spares < world:
+        raise UsageError(f"--spares must be from 0 to {world - 1} (the ranks but one), "
+                         f"got {s.spares}")
+    world -= s.spares    # the layout is the training ranks'
     model_parallel = s.tp * s.pp > 1
     if s.strategy != "hybrid":
         if model_parallel:

@@ -205,7 +205,7 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
                                        pipeline_parallel_size=s.pp, data_parallel_size=s.dp,
                                        reproducible=s.reproducible,
                                        reproducible_sizes=s.reproducible_sizes,
-                                       fault_tolerance=s.fault_tolerance)
+                                       fault_tolerance=s.fault_tolerance, spares=s.spares)
         model = _model(s, config, dtype, n_in, n_out, xp)
         return config, model, _strategy(s, config, model, steps, warmup)
 
@@ -220,8 +220,9 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
     shape = (f"d_model {s.d_model}, {s.layers} blocks, {s.heads} heads, context {s.seq_len}"
              if s.example == "gpt" else f"{n_in} -> {' -> '.join(map(str, s.hidden))} -> "
                                         f"{n_out}, {s.activation}")
-    layout = (f"{s.strategy} on {comm.size} rank(s)" if s.strategy != "hybrid" else
-              f"hybrid on {comm.size} rank(s): tp {topo.tp} x pp {topo.pp} x dp "
+    ranks = f"{topo.world} rank(s)" + (f" + {s.spares} spare(s)" if s.spares else "")
+    layout = (f"{s.strategy} on {ranks}" if s.strategy != "hybrid" else
+              f"hybrid on {ranks}: tp {topo.tp} x pp {topo.pp} x dp "
               f"{topo.dp}, {s.micro_batches} micro-batches, {s.schedule}, "
               f"{s.data_parallel} across replicas")
     where = ("" if gpu is None else
@@ -461,7 +462,7 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
     )
 
     s, world = run.settings, run.config.world
-    rank0 = world.rank == 0
+    rank0 = world.rank == 0 and not run.config.is_spare   # a spare's world is itself
     if rank0:
         print(f"== {s.run}: {run.description[0]}", flush=True)
         for line in run.description[1:]:
@@ -486,6 +487,8 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
                           "pp": topo.pp, "resumed_from": run.resumed_from,
                           "start_val_loss": start_val}),
         checkpointing=Checkpointing(run.manager, s.checkpoint_every))
+    if report.spare == "unused":   # a spare rank (--spares), released: nothing to report
+        return report
     world = run.strategy.config.world   # the survivors' after a lost rank
     rank0 = world.rank == 0
     run.strategy.verify_in_sync()

@@ -58,6 +58,7 @@ The workers see these variables (all set by the agent):
                                    the launcher exited); ``recovery_seconds``
                                    counts from it to the first step after
 ``MPISHARD_ELASTIC_LOST``          after a failure: workers lost
+``MPISHARD_SPARES``                 ``--spares`` (ShardingConfiguration's default)
 ``MPISHARD_ELASTIC_READY_FILE``    rank 0 creates it once every rank handles
                                    SIGUSR1 and SIGTERM
 ``MPISHARD_JOB_DIR``               this launch's folder of rank notes
@@ -222,6 +223,10 @@ class ElasticAgent:
             on in place) at ``min(n - lost, available)`` workers, or what the
             slot source says if it was rewritten since. ``"off"`` (default):
             a death ends the launch and the agent relaunches.
+        spares: with ``"ulfm"``, the last ``spares`` ranks of each launch are spare
+            ranks (``MPISHARD_SPARES``, the default of
+            [`ShardingConfiguration`][mpishard.config.ShardingConfiguration]'s
+            ``spares``): a death is then healed in place, at full size.
     """
 
     command: Sequence[str]
@@ -237,6 +242,7 @@ class ElasticAgent:
     grace: float = 0.3
     out: TextIO = sys.stderr
     fault_tolerance: str = "off"
+    spares: int = 0
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -254,6 +260,11 @@ class ElasticAgent:
         if self.fault_tolerance == "ulfm" and self.launcher != "mpirun":
             raise ValueError("fault_tolerance 'ulfm' needs the mpirun launcher (Open MPI 5): "
                              "fault tolerance is not supported under srun")
+        if self.spares and (self.fault_tolerance != "ulfm" or
+                            not 0 < self.spares < self.min_workers):
+            raise ValueError(f"--spares {self.spares} needs --fault-tolerance ulfm and fewer "
+                             f"spares than --min-workers ({self.min_workers}), got "
+                             f"--fault-tolerance {self.fault_tolerance}")
         self._rescan = False
         self._stop_signal: int | None = None
         self._stops = 0
@@ -302,7 +313,7 @@ class ElasticAgent:
                    MPISHARD_ELASTIC_RESTARTS=str(restarts),
                    MPISHARD_ELASTIC_MIN_WORKERS=str(self.min_workers),
                    MPISHARD_ELASTIC_MAX_WORKERS=str(self.max_workers),
-                   MPISHARD_JOB_DIR=job_dir)
+                   MPISHARD_JOB_DIR=job_dir, MPISHARD_SPARES=str(self.spares))
         for key in ("MPISHARD_ELASTIC_FAILED_AT", "MPISHARD_ELASTIC_LOST"):
             env.pop(key, None)
         if died_at is not None:

@@ -43,6 +43,10 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
                      help="ulfm: mpirun --with-ft ulfm (Open MPI 5); a dead worker does not "
                           "end the job, the survivors go on in place; relaunch only when they "
                           "exit 75 (default off: relaunch on every death)")
+    run.add_argument("--spares", type=int, default=0,
+                     help="with --fault-tolerance ulfm: the last N ranks of each launch are "
+                          "spare ranks (MPISHARD_SPARES=N for the workers' "
+                          "ShardingConfiguration), promoted in place when a worker dies")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- the worker command")
     run.set_defaults(func=_run)
 
@@ -61,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
                              fixed=args.workers),
             max_restarts=args.max_restarts, launcher=args.launcher,
             launcher_args=launcher_args, checkpoint_dir=args.checkpoint_dir, log=args.log,
-            fault_tolerance=args.fault_tolerance)
+            fault_tolerance=args.fault_tolerance, spares=args.spares)
         return agent.run()
     except ValueError as exc:
         print(f"mpishard run: error: {exc}", file=sys.stderr)

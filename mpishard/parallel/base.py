@@ -162,6 +162,9 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
                 or with another rank's shard (on every rank).
             MpiShardError: the parameter count or dtype differs between ranks.
         """
+        if self.config.is_spare:   # a waiting spare: attached when it is promoted
+            self.model = model
+            return
         self._attach(model, None)
 
     def _attach(self, model: Model, shard: Any) -> None:

@@ -73,6 +73,7 @@ from ..flat import Range, shard_ranges
 
 __all__ = ["OVERLAP_CHOICES", "PROBE_BUCKETS", "PROBE_BUDGET", "RECORD_FILE", "WORTH_MEASURING",
            "choose_overlap", "decide_overlap", "describe_attach", "forget_decisions",
+           "known_decisions", "learn_decisions",
            "gain_bound", "layout_key", "modelled_overlap", "record_path"]
 
 #: What ``overlap=`` accepts.
@@ -200,6 +201,17 @@ def layout_key(dp: int, world: int, ranges: list[Range], dtype: Any, xp: Any, ki
     placed = "?" if nodes is None else "-".join(map(str, nodes.ranks_per_node))
     return (f"{kind} dp {dp} of {world}, nodes {placed}, {np.dtype(dtype).name} "
             f"{getattr(xp, '__name__', xp)}, slots {slots}, {len(ranges)} buckets {digest}")
+
+
+def known_decisions() -> dict[str, bool]:
+    """This process's decisions, by layout key (to give a newcomer: a promoted
+    spare decides as the survivors, who remember theirs). Local."""
+    return dict(_DECIDED)
+
+
+def learn_decisions(decisions: dict[str, bool]) -> None:
+    """Take ``decisions`` (another process's ``known_decisions``) as this process's. Local."""
+    _DECIDED.update(decisions)
 
 
 def forget_decisions() -> None:

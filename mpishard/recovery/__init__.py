@@ -21,11 +21,13 @@ from .policy import RecoveryPolicy
 from .replicas import drop_replicas, whole_replicas
 from .resplit import Moved, moves, resplit
 from .shardcopy import ShardBuddy, sharded_pieces, zero2_candidates, zero2_rebuild
+from .spares import Promoted, promote_spares, wait_as_spare
 
 __all__ = [
     "HandOver",
     "InexactRecoveryWarning",
     "Moved",
+    "Promoted",
     "Recovered",
     "RecoveryPolicy",
     "ShardBuddy",
@@ -34,11 +36,13 @@ __all__ = [
     "drop_replicas",
     "hand_over",
     "moves",
+    "promote_spares",
     "recover_in_place",
     "recoverable",
     "resplit",
     "sharded_pieces",
     "shrink_only",
+    "wait_as_spare",
     "whole_replicas",
     "zero2_candidates",
     "zero2_rebuild",

@@ -13,6 +13,7 @@ from ..protocols import StrategyCore
 from .common import Recovered, StepMarks
 from .inplace import recover_in_place
 from .shardcopy import ShardBuddy
+from .spares import promote_spares
 
 __all__ = ["RecoveryPolicy"]
 
@@ -76,15 +77,19 @@ class RecoveryPolicy:
                 ``min_workers`` (after a checkpoint), or this rank's replica was
                 dropped (exit 0).
         """
+        pool = self.core.config.spare_pool
         try:
-            _, event = recover_in_place(self.core, exc, checkpoints=self.checkpoints,
-                                        buddy=self.buddy, marks=self.marks)
+            if pool is not None and pool.count:   # spares take the lost ranks' places
+                _, event = promote_spares(self.core, exc, buddy=self.buddy, marks=self.marks)
+            else:
+                _, event = recover_in_place(self.core, exc, checkpoints=self.checkpoints,
+                                            buddy=self.buddy, marks=self.marks)
         except HandOver as over:
             raise self._labelled(over) from None
         if self.buddy is not None:   # what the copies cost so far
             event.buddy_bytes, event.buddy_seconds = self.buddy.nbytes, self.buddy.seconds
         core = self.core
-        self.buddy = self._new_buddy()
+        self.buddy = None            # new copies in rearm(), once the data is open again
         self.marks = StepMarks(core.step_count, core.skipped_steps, core.data_position)
         world = core.config.world
         if world.size < self.min_workers:
@@ -96,6 +101,13 @@ class RecoveryPolicy:
             raise self._labelled(HandOver(why, exit_code=EXIT_STOPPED, speaker=world.rank == 0,
                                           stopped="too-few-workers"))
         return event
+
+    def rearm(self) -> None:
+        """After a recovery, once the loop has opened the data again: the new buddy
+        copies (collective over ``core.dp``), in the order a promoted spare makes
+        them (its loop opens the data, then builds its policy)."""
+        if self.buddy is None:
+            self.buddy = self._new_buddy()
 
     def _labelled(self, over: HandOver) -> HandOver:
         if over.exit_code == 0:

@@ -18,7 +18,7 @@ from ..checkpoint import CheckpointManager
 from ..checkpoint.background import discard_checkpoint
 from ..errors import DataPositionWarning, HandOver
 from ..protocols import Model, StrategyCore
-from ..recovery import Recovered, RecoveryPolicy, hand_over
+from ..recovery import Recovered, RecoveryPolicy, hand_over, wait_as_spare
 from .feeding import Batch, Feeder
 from .options import Checkpointing, Reporting, Sampling, option_groups
 from .reporting import Reporter
@@ -56,7 +56,15 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
     sampling, reporting, checkpointing = option_groups(sampling, reporting, checkpointing,
                                                        flat, strategy)
     core = strategy
-    if core.model is not model:
+    joined = None
+    if core.config.is_spare:   # wait until promoted (or released: never used)
+        try:
+            joined = wait_as_spare(core, model)
+        except HandOver as over:   # the promotion failed: one line, exit 75
+            hand_over(over)
+        if joined is None:
+            return TrainResult(spare="unused")
+    elif core.model is not model:
         core.attach(model)
     continuing = core.data_position is not None
     feeder = Feeder(core, model, data, epochs, batch_size, sampling)
@@ -68,11 +76,16 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
                         checkpointing.min_workers)
     steps = _Steps(core, model, feeder, report, saver, recovery, result, callback, stop,
                    max_steps, checkpointing.every)
-    if feeder.finished() and continuing and core.config.world.rank == 0:
+    if joined is not None:   # as the survivors do after the recovery
+        result.spare = "promoted"
+        steps.went_on(joined)
+    elif feeder.finished() and continuing and core.config.world.rank == 0:
         _warn_nothing_to_train(feeder, epochs)
-    report.start(batch_size, feeder.per_epoch)
+    if joined is None:
+        report.start(batch_size, feeder.per_epoch)
     try:
         _run_recovering(steps, saver, recovery, feeder, report, result)
+        core.config.release_spares()   # training ended: spares still waiting leave
         result.epochs = feeder.epoch
         result.val_loss = report.validation_at_end(core.step_count, model)
         report.end(core.step_count)
@@ -111,6 +124,7 @@ def _run_recovering(steps: _Steps, saver: _Saver, recovery: RecoveryPolicy, feed
             report.hand_over(over, steps.core.step_count)
             hand_over(over)
         feeder.open(may_change=True)   # the rows re-split over the survivors
+        recovery.rearm()
         steps.went_on(event)
 
 
@@ -214,12 +228,16 @@ class _Steps:
         """After a recovery: every survivor reports the steps up to the agreed one."""
         core, result = self.core, self.result
         world, step = core.config.world, core.step_count
+        # A promoted spare's call began at the recovery: the run's began before.
+        result.first_step = world.allreduce(result.first_step, op="min")
         kept = max(0, step - result.first_step)
         undone = result.last_step != step   # this rank's figures include other steps
         result.losses[:] = max(world.allgather(result.losses[:kept]), key=len)
+        result.samples = world.allreduce(result.samples, op="max")   # a promoted spare's: 0
         result.steps, result.last_step = step - result.first_step, step
         result.recoveries.append(event.record())
-        self.saver.saved_at = min(self.saver.saved_at, step)
+        # The oldest save of any rank (a promoted spare has made none).
+        self.saver.saved_at = world.allreduce(min(self.saver.saved_at, step), op="min")
         self.report.recovered(event, world.rank == 0, world.size, undone)
         if self.every and step % self.every == 0:
             self.saver.save("interval")   # an interrupted save (or one the lost rank missed)

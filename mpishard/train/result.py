@@ -36,6 +36,10 @@ class TrainResult:
             ``world_size``, ``seconds``, ...) per lost rank this call went on
             without, in place (fault tolerance on; see
             [`recover_in_place`][mpishard.recovery.recover_in_place]); empty otherwise.
+        spare: on a spare rank (``ShardingConfiguration(spares=K)``): ``"unused"``,
+            released at the end without being promoted (nothing else is set), or
+            ``"promoted"``, it took a lost rank's place (its figures are then the
+            run's); None on the other ranks.
     """
 
     losses: list[float] = field(default_factory=list)
@@ -50,6 +54,7 @@ class TrainResult:
     val_loss: float = float("nan")
     checkpoint: str | None = None
     recoveries: list[dict] = field(default_factory=list)
+    spare: str | None = None
 
     @property
     def samples_per_second(self) -> float:

@@ -1,0 +1,206 @@
+"""Spare ranks (ULFM): seconds from a SIGKILL to the first step at full size, and the
+step's cost of keeping spares.
+
+Each job is ``mpirun --with-ft ulfm -n RANKS+SPARES`` of this file (``--worker``):
+``ShardingConfiguration(spares=SPARES)``, an MLP trained by ``optimize()`` (DDP or
+ZeRO-2 with buddy copies). Every ``--every`` steps a training rank drawn from the
+seed SIGKILLs itself after its step (the callback); the survivors promote a spare
+and go on at full size. Per kill: the seconds from the kill to the end of the
+next step of the full-size world (``kill_to_step``), the recovery's own seconds,
+its revoke/shrink/agree, the bytes each newcomer received and the send's seconds.
+Then ``--steps-only`` jobs time the step with the spares waiting and without
+spares (``-n RANKS``), alternated, and the waiting spares' CPU use (their process
+time over their wall time, from [`SparePool`][mpishard.comm.spares.SparePool]).
+
+Prints JSON lines: one ``kills`` summary per model (p50, p99 and max over every kill,
+sent bytes, implied bandwidth), one ``step_cost`` per model. Run (the fault-tolerant
+runtime): ``.venv-ft/bin/python benchmarks/bench_spares.py --ranks 8 --spares 4
+--jobs 5 --model small``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {"small": [64, 256, 256, 64], "25m": [1024, 4096, 4096, 1024]}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import signal
+
+    import numpy as np
+
+    from mpishard import ShardingConfiguration
+    from mpishard.comm import ulfm
+    from mpishard.nn import MLP
+    from mpishard.optim import Adam
+    from mpishard.strategies import STRATEGIES
+
+    sizes = MODELS[args.model]
+    rng = np.random.default_rng(0)
+    rows = 8 * args.ranks
+    x = rng.standard_normal((16 * rows, sizes[0])).astype(np.float32)
+    y = rng.standard_normal((16 * rows, sizes[-1])).astype(np.float32)
+    model = MLP(sizes, activation="tanh", loss="mse", dtype=np.float32, seed=1)
+    config = ShardingConfiguration(timeout=120, fault_tolerance="ulfm", spares=args.spares)
+    options = {"buddy_copies": True} if args.strategy == "zero2" else {}
+    opt = STRATEGIES[args.strategy].public_class(Adam(lr=1e-3), config, model=model, **options)
+    steps = args.steps
+    times: list[float] = []
+    current = [opt.config]
+
+    def callback(step: int, loss: float) -> None:
+        now = time.time()
+        times.append(time.perf_counter())
+        world = opt.config.world
+        if opt.config is not current[0]:     # rebuilt: the first step after a recovery
+            current[0] = opt.config
+            if world.rank == 0:
+                print(f"STEP {now:.6f}", flush=True)
+        k = step // args.every
+        if args.kills and step % args.every == 0 and 1 <= k <= args.kills:
+            victim = int(np.random.default_rng(args.seed * 100 + k).integers(0, world.size))
+            if world.rank == victim:
+                print(f"KILL {k} {time.time():.6f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    # The recovered records: rank 0's metrics file (rank 0 may be a promoted spare).
+    result = opt.optimize(model, (x, y), epochs=steps // 16 + 1, batch_size=rows, seed=3,
+                          callback=callback, max_steps=steps, metrics_path=args.metrics,
+                          log_every=10**6)
+    pool = opt.config.spare_pool
+    if result.spare == "unused" and pool is not None:
+        print("SPARE " + json.dumps({"waited": pool.waited, "cpu": pool.cpu_seconds}),
+              flush=True)
+    elif opt.config.world.rank == 0 and len(times) > 4:
+        gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))   # the first is warm-up
+        print("STEPS " + json.dumps({"median": gaps[len(gaps) // 2], "steps": len(gaps)}),
+              flush=True)
+    ulfm.exit_now(0)
+
+
+def _job(args: argparse.Namespace, n: int, extra: list[str]) -> str:
+    mpirun = Path(sys.executable).parent / "mpirun"
+    if os.path.exists(args.metrics):
+        os.remove(args.metrics)
+    cmd = [str(mpirun), "--with-ft", "ulfm", "--mca", "coll", "^han", "--oversubscribe",
+           "-n", str(n), sys.executable, __file__, "--worker", "--model", args.model,
+           "--ranks", str(args.ranks), "--strategy", args.strategy, "--metrics",
+           args.metrics, *extra]
+    # scripts/mpienv.sh's settings (root allowed, yield when idle, no fast network).
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMPI_MCA_mpi_yield_when_idle="1",
+               OMPI_MCA_btl="self,vader,tcp")
+    if os.getuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    return proc.stdout + proc.stderr
+
+
+def _kills(args: argparse.Namespace) -> None:
+    rows = []
+    for job in range(args.jobs):
+        out = _job(args, args.ranks + args.spares,
+                   ["--spares", str(args.spares), "--kills", str(args.spares), "--every",
+                    str(args.every), "--steps", str(args.every * (args.spares + 1) + 4),
+                    "--seed", str(job + 1)])
+        kills = {int(k): float(t) for k, t in re.findall(r"^KILL (\d+) (\S+)$", out, re.M)}
+        steps = [float(t) for t in re.findall(r"^STEP (\S+)$", out, re.M)]
+        try:
+            with open(args.metrics) as records:
+                events = [e for e in map(json.loads, records) if e["event"] == "recovered"]
+        except FileNotFoundError:
+            events = []
+        if not len(steps) == len(kills) == len(events):
+            print(f"job {job}: {len(kills)} kills, {len(steps)} steps after, {len(events)} "
+                  f"recoveries:\n{out[-3000:]}", file=sys.stderr)
+        for k, step, event in zip(sorted(kills), steps, events):
+            rows.append({"kill_to_step": step - kills[k], "recovery": event["seconds"],
+                         "shrink": event["shrink_seconds"], "sent_bytes": event["sent_bytes"],
+                         "send_seconds": event["state_seconds"],
+                         "world_size": event["world_size"]})
+    if not rows:
+        print(json.dumps({"bench": "spares", "model": args.model, "error": "no kill recorded"}))
+        return
+    times = sorted(r["kill_to_step"] for r in rows)
+
+    def pct(q: float) -> float:
+        return times[min(len(times) - 1, round(q * (len(times) - 1)))]
+
+    sent = statistics.median(r["sent_bytes"] for r in rows)
+    send = statistics.median(r["send_seconds"] for r in rows)
+    print(json.dumps({
+        "bench": "spares", "what": "kills", "model": args.model, "strategy": args.strategy,
+        "params": _params(MODELS[args.model]), "ranks": args.ranks, "kills": len(rows),
+        "full_size": all(r["world_size"] == args.ranks for r in rows),
+        "kill_to_step_p50": pct(0.5), "kill_to_step_p99": pct(0.99), "max": times[-1],
+        "recovery_p50": statistics.median(r["recovery"] for r in rows),
+        "shrink_p50": statistics.median(r["shrink"] for r in rows),
+        "sent_bytes": sent, "send_seconds_p50": send,
+        "implied_MBps": sent / send / 1e6 if send > 0 else None}), flush=True)
+
+
+def _step_cost(args: argparse.Namespace) -> None:
+    medians: dict[str, list[float]] = {"spares": [], "none": []}
+    cpu = []
+    for _ in range(args.repeats):
+        for kind in ("spares", "none"):
+            n = args.ranks + (args.spares if kind == "spares" else 0)
+            out = _job(args, n, ["--spares", str(args.spares if kind == "spares" else 0),
+                                 "--steps", str(args.steps_timed)])
+            found = re.findall(r"^STEPS (.*)$", out, re.M)
+            if found:
+                medians[kind].append(json.loads(found[0])["median"])
+            cpu += [json.loads(s) for s in re.findall(r"^SPARE (.*)$", out, re.M)]
+    with_spares, without = (statistics.median(medians[k]) for k in ("spares", "none"))
+    print(json.dumps({
+        "bench": "spares", "what": "step_cost", "model": args.model, "strategy": args.strategy,
+        "ranks": args.ranks, "spares": args.spares, "step_with_spares": with_spares,
+        "step_without": without, "ratio": with_spares / without,
+        "spare_cpu_fraction": (sum(c["cpu"] for c in cpu) / sum(c["waited"] for c in cpu)
+                               if cpu else None)}), flush=True)
+
+
+def _params(sizes: list[int]) -> int:
+    return sum(a * b + b for a, b in zip(sizes, sizes[1:]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=MODELS, default="small")
+    parser.add_argument("--strategy", choices=("ddp", "zero2"), default="ddp")
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--spares", type=int, default=4)
+    parser.add_argument("--jobs", type=int, default=5)
+    parser.add_argument("--every", type=int, default=6)
+    parser.add_argument("--kills", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps-timed", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--skip", choices=("kills", "steps"), default=None)
+    parser.add_argument("--metrics", default=os.path.join(
+        tempfile.gettempdir(), f"bench-spares-{os.getpid()}.jsonl"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.skip != "kills":
+        _kills(args)
+    if args.skip != "steps":
+        _step_cost(args)
+
+
+if __name__ == "__main__":
+    main()
