@@ -30,6 +30,7 @@ from ..errors import CommunicationError, MpiShardError, TopologyError
 from ..flat import Range, bucket_ranges
 from ..optim.clip import clip_coefficient
 from ..protocols import BACKWARD, FORWARD, BucketedModel, Model, Optimizer
+from .memory import PhaseMemory
 from .options import NONFINITE_POLICIES, DataParallelOptions, OptionsHome
 from .overlap import decide_overlap
 from .placement import Placement
@@ -104,6 +105,9 @@ class DataParallelCore(OptionsHome, Progress):
         self.timings = {"forward_backward": 0.0, "communication": 0.0,
                         "optimizer": 0.0, "gather": 0.0}
         self._peak_bytes = 0
+        #: The peaks of each phase (attach, step, save, ...: ``memory_report``).
+        self.memory_phases = PhaseMemory(
+            lambda: self._current_bytes() if self.placement is not None else 0)
         self.model: Model | None = None
         #: The parameters' dtype (None before attach).
         self.dtype: Any = None
@@ -141,6 +145,7 @@ class DataParallelCore(OptionsHome, Progress):
         caller puts it back), the step count and data position stay. Collective
         over ``config.world`` (and the old ``groups.dp``)."""
         model = self.model
+        opened = self.memory_phases.enter("recovery")
         if model is not None and model.params is None:   # gathered before use
             self.placement = self.placement.unshard()
         self._release()
@@ -148,6 +153,7 @@ class DataParallelCore(OptionsHome, Progress):
         self.model = None
         if model is not None:
             self.attach(model)
+        self.memory_phases.leave(opened)
 
     def _release(self) -> None:
         """Free what the parts made on the old groups."""
@@ -218,6 +224,7 @@ class DataParallelCore(OptionsHome, Progress):
             MpiShardError: the parameter count or dtype differs between ranks.
         """
         started = time.perf_counter()
+        opened = self.memory_phases.enter("attach")
         self.dp.agree(_model_problem(model), TypeError)
         n, dtype = model.params.size, model.params.dtype.str
         every = self.dp.allgather((n, dtype))
@@ -256,6 +263,7 @@ class DataParallelCore(OptionsHome, Progress):
         # came with: the peak counts from here.
         current = self._current_bytes()
         self._peak_bytes = current if model.params is None else max(self._peak_bytes, current)
+        self.memory_phases.leave(opened)
         #: Seconds the last attach took on this rank (the run header prints it).
         self.attach_seconds = time.perf_counter() - started
 
@@ -267,8 +275,10 @@ class DataParallelCore(OptionsHome, Progress):
         # Reproducible mode reduces binned sums at step(), not buckets during the backward.
         can_overlap = (isinstance(model, BucketedModel) and self._scales_loss
                        and not self.config.reproducible)
-        bucket_elements = max(1, int(self.bucket_mb * 2**20) // model.params.itemsize)
-        ranges = bucket_ranges(model.layout, bucket_elements)
+        #: The gradient bucket size in elements (``bucket_mb`` resolved).
+        self.bucket_elements = self.options.bucket_elements(
+            model.params.size, model.params.itemsize, self.dp.size)
+        ranges = bucket_ranges(model.layout, self.bucket_elements)
         #: overlap="auto" or "measure": how it was decided (.overlap.decide_overlap).
         self.overlap_timings: dict[str, Any] = {}
         if isinstance(self.overlap, str) and can_overlap:   # "auto" or "measure"
@@ -340,6 +350,7 @@ class DataParallelCore(OptionsHome, Progress):
         model = self._require_model()
         if self.totals.micro == 0:   # this rank makes progress: its watchdog starts again
             stuck.watch(self.dp.timeout)
+            self.memory_phases.begin("step")
         if (batch_start is None) != (global_rows is None):
             raise ValueError(f"give both batch_start and global_rows or neither, got "
                              f"batch_start={batch_start!r}, global_rows={global_rows!r}")
@@ -542,7 +553,9 @@ class DataParallelCore(OptionsHome, Progress):
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients, optimizer state and
         communication buffers, with the total now and the peak since attach
-        (ZeRO-3 adds ``gathered`` and ``gathered_peak``)."""
+        (ZeRO-3 adds ``gathered`` and ``gathered_peak``), and the peaks of each
+        phase so far ([`PhaseMemory.report`][mpishard.parallel.memory.PhaseMemory.report]).
+        Local."""
         report = self._memory()
         if self._repro is not None:
             report["buffers"] += self._repro.nbytes()
@@ -550,11 +563,19 @@ class DataParallelCore(OptionsHome, Progress):
         self._peak_bytes = max(self._peak_bytes, report["total"])
         report["peak"] = self._peak_bytes
         report.update(self.placement.report())
+        report.update(self.memory_phases.report())
         return report
+
+    def memory_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Count the ``with`` block's memory as phase ``name`` of ``memory_report``
+        (``"save"``, ``"load"``, ``"recovery"``, ...). Local."""
+        return self.memory_phases.phase(name)
 
     def note_peak(self, extra: int = 0) -> None:
         """Count what is held now, and ``extra`` bytes more held for a while, in the peak."""
-        self._peak_bytes = max(self._peak_bytes, self._current_bytes() + extra)
+        held = self._current_bytes() + extra
+        self._peak_bytes = max(self._peak_bytes, held)
+        self.memory_phases.note(held)
 
     def reset_timings(self) -> None:
         for key in self.timings:

@@ -274,6 +274,8 @@ class GatheredBeforeUse(GatheredAfterStep):
                  gather_elements: int, prefetch: bool, keep: bool) -> None:
         super().__init__(model, dp, xp, sharded)
         self.units = unit_ranges(self.layout)
+        #: The gather bucket size in elements (``gather_mb`` resolved).
+        self.gather_elements = gather_elements
         self.store = xp.empty(len(self.shard), dtype=self.dtype)
         #: The gathers' communicator: a duplicate of ``groups.dp``.
         self.comm = dp.dup(f"{dp.name} (parameter gathers)")
