@@ -25,10 +25,13 @@ import sys
 import tracemalloc
 from collections.abc import Callable, Iterator
 
-__all__ = ["PHASES", "PhaseMemory", "current_rss", "process_peak_rss", "reset_peak_rss"]
+__all__ = ["PHASES", "PHASE_KEYS", "PhaseMemory", "current_rss", "process_peak_rss",
+           "reset_peak_rss"]
 
 #: The phases a core reports, in the order a run usually meets them.
 PHASES = ("construction", "attach", "step", "save", "load", "recovery")
+#: How the keys of a phase's peaks in ``memory_report()`` begin.
+PHASE_KEYS = ("peak_", "allocated_", "rss_peak_")
 
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
