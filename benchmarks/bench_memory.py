@@ -13,7 +13,9 @@ as the most over the ranks:
   (parameters, gathered parameters, gradients, optimizer state, buffers);
 * ``activation_bytes``: the model's training workspaces;
 * ``rss_peak_step_bytes``: the process' peak resident memory during the steps
-  (``memory_report()["rss_peak_step"]``: imports, MPI and the data included);
+  (``memory_report()["rss_peak_step"]``: imports, Numba, MPI and the data
+  included, and what earlier rows of the same process left to the allocator:
+  run one strategy a process, ``--strategies zero3``, to compare these);
 * ``whole_state_bytes``: what one process holds for the whole model (parameters,
   gradient, Adam's two moments: 16 bytes a parameter), and ``over_whole``, the
   peak with activations over it.
@@ -63,6 +65,8 @@ def emit(record: dict) -> None:
 
 def measure(name: str, layers: int, steps: int) -> dict:
     """One strategy on one GPT: the most over the ranks of each figure."""
+    import gc
+
     import numpy as np
 
     from mpishard import ShardingConfiguration
@@ -71,6 +75,7 @@ def measure(name: str, layers: int, steps: int) -> dict:
     from mpishard.strategies import STRATEGIES as REGISTRY
 
     comm = _comm()
+    gc.collect()      # the models of earlier rows (strategies and models hold cycles)
     vocab, seq, width, heads = GPT_SHAPE
     config = ShardingConfiguration(comm)
     model = GPT(vocab, seq, width, heads, layers, dtype=np.float32, seed=0)

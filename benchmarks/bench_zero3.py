@@ -206,6 +206,8 @@ def step_time(args) -> None:
     comm = _mpi().COMM_WORLD
     names = ["zero2", "zero3", "zero3-no-prefetch", "zero3-keep"]
     for kind, layers in (("mlp", 0), ("gpt", args.gpt_layers[1])):
+        if kind not in args.step_models:
+            continue
         runs = {}
         for name in names:
             config = ShardingConfiguration(comm)
@@ -362,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deep-layers", type=int, default=32,
                         help="a deep GPT for the ZeRO-3 variants (0: none)")
     parser.add_argument("--memory-steps", type=int, default=2)
+    parser.add_argument("--step-models", default="mlp,gpt", type=lambda s: s.split(","))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cluster", action="store_true")
