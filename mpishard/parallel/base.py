@@ -14,9 +14,11 @@ ZeRO-2 and ZeRO-3 ([`DDPCore`][mpishard.parallel.ddp.DDPCore],
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -106,8 +108,9 @@ class DataParallelCore(OptionsHome, Progress):
                         "optimizer": 0.0, "gather": 0.0}
         self._peak_bytes = 0
         #: The peaks of each phase (attach, step, save, ...: ``memory_report``).
-        self.memory_phases = PhaseMemory(
-            lambda: self._current_bytes() if self.placement is not None else 0)
+        #: (Through a weak reference: a cycle would keep a dropped core's arrays
+        #: until the garbage collector runs, in another core's step loop.)
+        self.memory_phases = PhaseMemory(functools.partial(_held_bytes, weakref.ref(self)))
         self.model: Model | None = None
         #: The parameters' dtype (None before attach).
         self.dtype: Any = None
@@ -602,6 +605,12 @@ class DataParallelCore(OptionsHome, Progress):
         """World ranges of the model's vector whose squares this rank's replica
         counts in the norm (all of it; a tensor-parallel rank owns less)."""
         return [Range(0, self.layout.size)]
+
+
+def _held_bytes(core: Callable[[], DataParallelCore | None]) -> int:
+    """The bytes ``core()`` holds now (0 before attach or once it is gone)."""
+    found = core()
+    return found._current_bytes() if found is not None and found.placement is not None else 0
 
 
 def _own_gradient(model: Any, xp: Any) -> None:
