@@ -14,7 +14,15 @@ deeper GPT is sized so that DDP's parameters, gradients and Adam state do not fi
 the budget. From the two depths each strategy's bytes are a line, ``a *
 parameters + c``: ``parameters_that_fit`` is ``(budget - c) / a``. Note: the
 model is built whole on every rank and sharded when the strategy attaches it; the
-figures are what stays resident for training.
+figures are what stays resident for training. ZeRO-3's lines add the two
+ratios of the issue's target: ``resident_over_shard_plus_two_buckets`` (the
+shard and the gather buffers over the shard and the two largest neighbouring
+gather buckets, what prefetch needs at once) and
+``state_over_shards_plus_two_buckets`` (the peak of parameters, gradients,
+state and buffers over the shards of the three and those two buckets: the
+gradient buffers are the difference). ``--deep-layers`` adds a deep GPT for
+the ZeRO-3 variants only. Options are the strategies' defaults
+(``bucket_mb="auto"`` for ZeRO-3) unless ``--bucket-mb`` is given.
 
 ``--what step``: step time of ZeRO-2 and of ZeRO-3 with prefetch, without, and
 keeping what the forward gathered, the variants alternating step by step over
@@ -81,7 +89,7 @@ def emit(record: dict) -> None:
         print(json.dumps(record), flush=True)
 
 
-def make_strategy(name: str, config, model, bucket_mb: float):
+def make_strategy(name: str, config, model, bucket_mb: float | None):
     from mpishard.optim import Adam
     from mpishard.strategies import STRATEGIES
 
@@ -89,8 +97,9 @@ def make_strategy(name: str, config, model, bucket_mb: float):
     entry = STRATEGIES[kind]
     if entry.cost.reduce_scatter:   # pinned: "auto" would time the two at every attach
         options = {"reduce_method": "reduce_scatter", **options}
-    return entry.public_class(Adam(lr=1e-4), config, model=model, bucket_mb=bucket_mb,
-                              **options)
+    if bucket_mb is not None:
+        options = {"bucket_mb": bucket_mb, **options}
+    return entry.public_class(Adam(lr=1e-4), config, model=model, **options)
 
 
 def make_model(kind: str, layers: int = 0):
@@ -125,9 +134,14 @@ def memory(args) -> None:
     budget = args.budget_mib * 2**20
     # GPT depths: the deeper one does not fit the budget under DDP (16 bytes a parameter).
     models = [("mlp", 0), ("gpt", args.gpt_layers[0]), ("gpt", args.gpt_layers[1])]
+    if args.deep_layers:
+        models.append(("gpt", args.deep_layers))
     lines: dict[str, list[tuple[int, int]]] = {}
     for kind, layers in models:
+        deep = kind == "gpt" and layers not in args.gpt_layers
         for name in args.variants:
+            if deep and not name.startswith("zero3"):
+                continue
             config = ShardingConfiguration(comm)
             model = make_model(kind, layers)
             n, itemsize = model.layout.size, model.params.itemsize
@@ -153,8 +167,9 @@ def memory(args) -> None:
                 resident = worst["parameters"] + worst["gathered"]
                 record["resident_parameter_bytes"] = resident
                 record["resident_over_shard_plus_largest_layer"] = resident / (shard + largest)
+                record.update(_two_buckets(dist, worst, shard, itemsize, resident))
             emit(record)
-            if kind == "gpt":
+            if kind == "gpt" and not deep:
                 lines.setdefault(name, []).append((n, total))
             del dist, model
             config.free()
@@ -169,6 +184,21 @@ def memory(args) -> None:
               "from": f"GPT of {args.gpt_layers[0]} and {args.gpt_layers[1]} layers"})
 
 
+def _two_buckets(dist, worst: dict, shard: int, itemsize: int, resident: int) -> dict:
+    """ZeRO-3's ratios against the shards and two gather buckets (the two largest
+    neighbouring ones: what prefetch holds at once)."""
+    gather = dist.core.gather
+    if gather is None:
+        return {}
+    sizes = [len(b) for b in gather.ranges]
+    pair = max((a + b for a, b in zip(sizes, sizes[1:])), default=sizes[0]) * itemsize
+    shards = worst["parameters"] + worst["optimizer_state"] + shard   # + the gradient's
+    return {"gather_bucket_elements": dist.core.placement.gather_elements,
+            "bucket_elements": dist.core.bucket_elements, "two_gather_buckets_bytes": pair,
+            "resident_over_shard_plus_two_buckets": resident / (shard + pair),
+            "state_over_shards_plus_two_buckets": worst["peak"] / (shards + pair)}
+
+
 # --- step time --------------------------------------------------------------------------------
 def step_time(args) -> None:
     from mpishard import ShardingConfiguration
@@ -176,6 +206,8 @@ def step_time(args) -> None:
     comm = _mpi().COMM_WORLD
     names = ["zero2", "zero3", "zero3-no-prefetch", "zero3-keep"]
     for kind, layers in (("mlp", 0), ("gpt", args.gpt_layers[1])):
+        if kind not in args.step_models:
+            continue
         runs = {}
         for name in names:
             config = ShardingConfiguration(comm)
@@ -327,8 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-mib", type=float, default=80.0)
     parser.add_argument("--gpt-layers", default="4,10",
                         type=lambda s: [int(v) for v in s.split(",")])
-    parser.add_argument("--bucket-mb", type=float, default=4.0)
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help="every strategy's bucket_mb (default: each one's own)")
+    parser.add_argument("--deep-layers", type=int, default=32,
+                        help="a deep GPT for the ZeRO-3 variants (0: none)")
     parser.add_argument("--memory-steps", type=int, default=2)
+    parser.add_argument("--step-models", default="mlp,gpt", type=lambda s: s.split(","))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cluster", action="store_true")

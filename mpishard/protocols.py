@@ -321,7 +321,8 @@ class StrategyCore(Protocol):
     of the parameters it holds and them (the whole vector, or a ZeRO-3 shard);
     ``gathered_parameters()`` the whole vector for a ``with`` block;
     ``dtype`` is the parameters' (None before attach); ``rebuild(config)`` sets
-    the core up again over new groups keeping its options.
+    the core up again over new groups keeping its options; ``memory_phase(name)``
+    counts a ``with`` block as a phase of its ``memory_report``.
     """
 
     strategy: str
@@ -349,6 +350,8 @@ class StrategyCore(Protocol):
     def parameter_shard(self) -> tuple[Range, Any]: ...
 
     def gathered_parameters(self) -> AbstractContextManager[Any]: ...
+
+    def memory_phase(self, name: str) -> AbstractContextManager[None]: ...
 
     def rebuild(self, config: Any) -> None: ...
 

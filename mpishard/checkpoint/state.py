@@ -37,7 +37,7 @@ import json
 import os
 import warnings
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -337,7 +337,8 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     """
     strategy = as_strategy(optimizer)
     place = Placement.of(model, strategy, comm)
-    with place.world.during(f"save_checkpoint({os.fspath(path)})"), place.file_io():
+    with place.world.during(f"save_checkpoint({os.fspath(path)})"), place.file_io(), \
+            _memory_phase(strategy, "save"):
         settle()   # a save in flight is committed (or its failure raised) first
         if asynchronous:
             snap = snapshot()
@@ -528,7 +529,8 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     """
     strategy = as_strategy(optimizer)
     place = Placement.of(model, strategy, comm)
-    with place.world.during(f"load_checkpoint({os.fspath(path)})"), place.file_io():
+    with place.world.during(f"load_checkpoint({os.fspath(path)})"), place.file_io(), \
+            _memory_phase(strategy, "load"):
         settle()   # a save in flight is committed (or its failure raised) first
         if strategy is not None and strategy.model is not model:
             strategy.attach(model)
@@ -648,3 +650,8 @@ def _settings(info: CheckpointInfo, strategy: Any, world: FlatComm | None) -> No
     if strategy.schedule is None and info.schedule is not None:
         strategy.schedule = schedule_from_dict(info.schedule)
         info.notes.append(f"schedule: taken from the file, {schedule_text(info.schedule)}")
+
+
+def _memory_phase(strategy: StrategyCore | None, name: str) -> AbstractContextManager:
+    """The strategy's memory phase ``name`` (``memory_report``), or nothing."""
+    return strategy.memory_phase(name) if strategy is not None else nullcontext()

@@ -492,7 +492,7 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
     world = run.strategy.config.world   # the survivors' after a lost rank
     rank0 = world.rank == 0
     run.strategy.verify_in_sync()
-    memory = world.gather((peak_rss_bytes(), run.strategy.memory_report()["peak"]), root=0)
+    memory = world.gather((peak_rss_bytes(), run.strategy.memory_report()), root=0)
     if rank0:
         _summary(run, report, start_val, memory)
     return report
@@ -505,7 +505,9 @@ def _shown(path: str) -> str:
 
 
 def _summary(run: Run, report: TrainResult, start_val: float | None,
-             memory: list[tuple[int, int]]) -> None:
+             memory: list[tuple[int, dict[str, int]]]) -> None:
+    from ..parallel.memory import PHASES
+
     s = run.settings
     mib = 2.0 ** 20
     losses = report.losses
@@ -529,8 +531,11 @@ def _summary(run: Run, report: TrainResult, start_val: float | None,
               f"{', '.join(map(str, rec['lost_ranks']))}, went on with {rec['world_size']} "
               f"({rec['seconds']:.2f} s)")
     rss = ", ".join(f"{r / mib:.0f}" for r, _ in memory)
-    state = ", ".join(f"{t / mib:.2f}" for _, t in memory)
+    state = ", ".join(f"{t['peak'] / mib:.2f}" for _, t in memory)
     print(f"   memory per rank, MiB: peak RSS {rss}; training state {state}")
+    phases = [(p, max(t.get(f"rss_peak_{p}", 0) for _, t in memory)) for p in PHASES]
+    print("   peak RSS by phase, MiB (the most over ranks): "
+          + ", ".join(f"{p} {b / mib:.0f}" for p, b in phases if b))
     if report.checkpoint:
         print(f"   checkpoint: {_shown(report.checkpoint)}")
     print(f"   metrics:    {s.metrics_path}  (mpishard plot {s.metrics_path} -o "

@@ -78,6 +78,7 @@ class RecoveryAnswers:
         puts it back), the step count and data position stay. Collective over
         ``config.world`` (and, without ``shard``, the old ``groups.dp``)."""
         model = self.model
+        opened = self.memory_phases.enter("recovery")
         if model is not None and model.params is None:   # gathered before use
             if shard is None:
                 self.placement = self.placement.unshard()
@@ -88,6 +89,7 @@ class RecoveryAnswers:
         self.model = None
         if model is not None:
             self._attach(model, shard if model.params is None else None)
+        self.memory_phases.leave(opened)
 
     def _release(self) -> None:
         """Free what the parts made on the old groups."""

@@ -175,6 +175,7 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
         built = built_shard_of(model)   # (range, values): built in shards, nothing whole
         if shard is not None:           # a recovery's: this rank's shard under config
             built = (shard_ranges(model.layout.size, self.dp.size)[self.dp.rank], shard)
+        opened = self.memory_phases.enter("attach")
         values = check_model(self.dp, model, built)
         self.dp.agree(self._built_problem(model, built), ValueError)
         self._release()   # attached before
@@ -191,6 +192,8 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
                                               dtype=self.dtype)
         #: The buckets are reduced during the backward (``overlap`` resolved).
         self.bucketed = reduction.bucketed
+        #: The gradient bucket size in elements (``bucket_mb`` resolved).
+        self.bucket_elements = reduction.bucket_elements
         if built is None:   # built in shards: every rank's shard is the seed's already
             self.dp.Bcast(model.params, root=0)
         # A reduction whose buckets are slots binds the model's gradient to them.
@@ -212,6 +215,7 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
         self.placement = self._new_placement(model)
         self._incoming_shard = None
         self._attached(whole=model.params is not None)
+        self.memory_phases.leave(opened)
         #: Seconds the last attach took on this rank (the run header prints it).
         self.attach_seconds = time.perf_counter() - started
 
@@ -260,6 +264,7 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
         model = self._require_model()
         if self.totals.micro == 0:   # this rank makes progress: its watchdog starts again
             stuck.watch(self.dp.timeout)
+            self.memory_phases.begin("step")
         if (batch_start is None) != (global_rows is None):
             raise ValueError(f"give both batch_start and global_rows or neither, got "
                              f"batch_start={batch_start!r}, global_rows={global_rows!r}")

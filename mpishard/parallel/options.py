@@ -18,8 +18,9 @@ from typing import Any, ClassVar
 
 from .overlap import OVERLAP_CHOICES
 
-__all__ = ["NONFINITE_POLICIES", "REDUCE_METHODS", "DataParallelOptions", "OptionsHome",
-           "ZeRO2Options", "ZeRO3Options"]
+__all__ = ["AUTO_BUCKET_LIMITS_MB", "AUTO_BUCKET_SHARE", "NONFINITE_POLICIES", "REDUCE_METHODS",
+           "DataParallelOptions", "OptionsHome", "ZeRO2Options", "ZeRO3Options",
+           "auto_bucket_elements"]
 
 #: What ``nonfinite=`` accepts.
 NONFINITE_POLICIES = ("error", "skip")
@@ -28,6 +29,37 @@ NONFINITE_POLICIES = ("error", "skip")
 #: (keeping this rank's piece), or a ring of point-to-point messages
 #: ([`RingComm`][mpishard.comm.ring.RingComm]; host arrays only).
 REDUCE_METHODS = ("reduce_scatter", "allreduce", "ring")
+
+#: DDP's and ZeRO-2's bucket size in MiB when ``bucket_mb="auto"`` (their default).
+DEFAULT_BUCKET_MB = 25.0
+#: ZeRO-3's ``"auto"`` bucket: this share of a rank's shard of the parameters ...
+AUTO_BUCKET_SHARE = 1 / 8
+#: ... kept within these bounds in MiB (below 64 KiB a collective costs its
+#: latency, above 25 MiB it gains nothing: DDP's default).
+AUTO_BUCKET_LIMITS_MB = (1 / 16, DEFAULT_BUCKET_MB)
+
+
+def auto_bucket_elements(size: int, itemsize: int, ranks: int) -> int:
+    """ZeRO-3's bucket (gradient and gather) for ``bucket_mb="auto"``: an eighth
+    of a rank's shard (``ceil(size / ranks)`` elements), within
+    ``AUTO_BUCKET_LIMITS_MB``. Two gradient and two gather buffers of that size
+    cost half a shard, so the peak of parameters, gradients and state stays
+    within 1.15x of their shards plus two gather buckets (Adam or SGD); a layer
+    larger than the bucket is a bucket of its own, whatever the size. Pure."""
+    shard = -(-size // max(ranks, 1))
+    low, high = (int(mb * 2**20) // itemsize for mb in AUTO_BUCKET_LIMITS_MB)
+    return max(1, min(high, max(low, int(shard * AUTO_BUCKET_SHARE))))
+
+
+def _is_auto(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value == "auto")
+
+
+def _size_problem(name: str, value: Any) -> str | None:
+    if _is_auto(value) or (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                           and value > 0):
+        return None
+    return f"{name} must be positive, got {value!r} (or 'auto': chosen at attach)"
 
 
 @dataclass(frozen=True)
@@ -38,10 +70,14 @@ class DataParallelOptions:
     (the core reads them as attributes, ``core.bucket_mb``; a write such as
     ``core.schedule = f`` replaces the option, checked). Values resolved at
     attach have their own names: ``bucketed`` (``overlap``), ZeRO's
-    ``reduction.method`` (``reduce_method``).
+    ``reduction.method`` (``reduce_method``), ``bucket_elements``
+    (``bucket_mb``), ZeRO-3's ``placement.gather_elements`` (``gather_mb``).
 
     Attributes:
-        bucket_mb: gradient bucket size in MiB.
+        bucket_mb: gradient bucket size in MiB; ``"auto"`` (or None): 25 for
+            DDP and ZeRO-2, chosen from the model and the ranks for ZeRO-3
+            ([`auto_bucket_elements`][mpishard.parallel.options.auto_bucket_elements]).
+            The size used is the core's ``bucket_elements`` (set at attach).
         accumulation_steps: micro-batches per step; only the last communicates (DDP).
         max_grad_norm: clip by the global gradient norm (None: no clipping).
         schedule: ``step -> factor`` of the learning rate.
@@ -59,7 +95,7 @@ class DataParallelOptions:
             (no update on any rank; counted in ``skipped_steps``).
     """
 
-    bucket_mb: float = 25.0
+    bucket_mb: float | str | None = DEFAULT_BUCKET_MB
     accumulation_steps: int = 1
     max_grad_norm: float | None = None
     schedule: Callable[[int], float] | None = None
@@ -76,8 +112,9 @@ class DataParallelOptions:
         steps = self.accumulation_steps
         if not isinstance(steps, numbers.Integral) or isinstance(steps, bool) or steps < 1:
             return f"accumulation_steps must be a positive integer, got {steps!r}"
-        if not (self.bucket_mb > 0):
-            return f"bucket_mb must be positive, got {self.bucket_mb!r}"
+        problem = _size_problem("bucket_mb", self.bucket_mb)
+        if problem is not None:
+            return problem
         if self.max_grad_norm is not None and not (self.max_grad_norm > 0):
             return f"max_grad_norm must be positive or None, got {self.max_grad_norm!r}"
         if self.nonfinite not in NONFINITE_POLICIES:
@@ -86,6 +123,17 @@ class DataParallelOptions:
                    for c in OVERLAP_CHOICES):   # a str read from a file is not `is` "auto"
             return f"overlap must be True, False, 'auto' or 'measure', got {self.overlap!r}"
         return None
+
+    def _auto_bucket(self, size: int, itemsize: int, ranks: int) -> int:
+        return max(1, int(DEFAULT_BUCKET_MB * 2**20) // itemsize)
+
+    def bucket_elements(self, size: int, itemsize: int, ranks: int) -> int:
+        """The gradient bucket size in elements for a vector of ``size`` elements of
+        ``itemsize`` bytes over ``ranks`` data-parallel ranks: ``bucket_mb``, or
+        its ``"auto"`` choice. Pure."""
+        if _is_auto(self.bucket_mb):
+            return self._auto_bucket(size, itemsize, ranks)
+        return max(1, int(self.bucket_mb * 2**20) // itemsize)
 
 
 @dataclass(frozen=True)
@@ -137,21 +185,38 @@ class ZeRO3Options(ZeRO2Options):
             bucket: the whole vector's memory, one gather per forward, none in
             the backward); False: the backward gathers again what has left its slot.
         gather_mb: size of a bucket of gathered parameters in MiB (whole units:
-            a layer larger than this is a bucket of its own); None: ``bucket_mb``.
+            a layer larger than this is a bucket of its own); ``"auto"`` (or
+            None): the bucket size in use (``bucket_mb``, or its ``"auto"``
+            choice). The size used is the placement's ``gather_elements``.
+        bucket_mb: as [`DataParallelOptions`][mpishard.parallel.base.DataParallelOptions]',
+            but ``"auto"`` by default: an eighth of a rank's shard of the
+            parameters, within 64 KiB and 25 MiB
+            ([`auto_bucket_elements`][mpishard.parallel.options.auto_bucket_elements]),
+            so that the two gradient and two gather buffers stay small beside
+            the shards even for a model of a few buckets of 25 MiB.
     """
 
+    # (Redefined with ZeRO-3's default; a dataclass field keeps its place.)
+    bucket_mb: float | str | None = "auto"
     prefetch: bool = True
     keep_gathered: bool = False
-    gather_mb: float | None = None
+    gather_mb: float | str | None = "auto"
 
     def problem(self) -> str | None:
         for name in ("prefetch", "keep_gathered"):
             if not isinstance(getattr(self, name), bool):
                 return f"{name} must be True or False, got {getattr(self, name)!r}"
-        mb = self.gather_mb
-        if mb is not None and not (isinstance(mb, numbers.Real) and mb > 0):
-            return f"gather_mb must be positive or None, got {mb!r}"
-        return super().problem()
+        return _size_problem("gather_mb", self.gather_mb) or super().problem()
+
+    def _auto_bucket(self, size: int, itemsize: int, ranks: int) -> int:
+        return auto_bucket_elements(size, itemsize, ranks)
+
+    def gather_elements(self, size: int, itemsize: int, ranks: int) -> int:
+        """The gather bucket size in elements: ``gather_mb``, or (``"auto"``) the
+        gradient bucket's. Pure."""
+        if _is_auto(self.gather_mb):
+            return self.bucket_elements(size, itemsize, ranks)
+        return max(1, int(self.gather_mb * 2**20) // itemsize)
 
 
 @functools.cache

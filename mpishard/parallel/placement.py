@@ -279,6 +279,8 @@ class GatheredBeforeUse(GatheredAfterStep):
         if shard is not None:    # a model already sharded (a recovery): its shard given
             self.dtype = shard.dtype
         self.units = unit_ranges(self.layout)
+        #: The gather bucket size in elements (``gather_mb`` resolved).
+        self.gather_elements = gather_elements
         if shard is None:   # built in shards: its shard is the store
             built = built_shard_of(model)
             shard = built[1] if built is not None else None

@@ -90,8 +90,11 @@ class GradientReduction:
         # Reproducible mode reduces binned sums at step(), not buckets during the backward.
         reproducible = self.config.reproducible
         can_overlap = isinstance(model, BucketedModel) and scales_loss and not reproducible
-        bucket_elements = max(1, int(options.bucket_mb * 2**20) // dtype.itemsize)
-        ranges = bucket_ranges(model.layout, bucket_elements)
+        #: The gradient bucket size in elements (``bucket_mb`` resolved: ``"auto"``
+        #: chooses from the model and the ranks).
+        self.bucket_elements = options.bucket_elements(model.layout.size, dtype.itemsize,
+                                                       self.dp.size)
+        ranges = bucket_ranges(model.layout, self.bucket_elements)
         overlap = options.overlap
         if isinstance(overlap, str) and can_overlap:   # "auto" or "measure"
             self.bucketed = decide_overlap(self.dp, step_group, ranges, dtype, xp,

@@ -80,10 +80,9 @@ class ZeRO3Core(ShardedCore):
         sharded = self._sharded_state()
         if not isinstance(model, ShardableModel) or self.layout.size == 0:
             return GatheredAfterStep(model, self.dp, self.xp, sharded)
-        gather_mb = self.gather_mb if self.gather_mb is not None else self.bucket_mb
-        return GatheredBeforeUse(model, self.dp, self.xp, sharded,
-                                 gather_elements=max(1, int(gather_mb * 2**20)
-                                                     // self.dtype.itemsize),
+        gather = self.options.gather_elements(self.layout.size, self.dtype.itemsize,
+                                              self.dp.size)
+        return GatheredBeforeUse(model, self.dp, self.xp, sharded, gather_elements=gather,
                                  prefetch=self.prefetch, keep=self.keep_gathered,
                                  shard=getattr(self, "_incoming_shard", None))
 

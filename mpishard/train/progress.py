@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import shutil
 import sys
 from typing import Any, TextIO
+
+from ..parallel.memory import process_peak_rss
 
 __all__ = ["Metrics", "clock", "interactive_output", "peak_rss_bytes", "progress_bar"]
 
@@ -94,9 +95,9 @@ def interactive_output(stream: TextIO | None = None) -> bool:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+    """This process's peak resident memory over its life (memory phases reset the
+    kernel's peak: [`process_peak_rss`][mpishard.parallel.memory.process_peak_rss])."""
+    return process_peak_rss()
 
 
 def clock(seconds: float) -> str:

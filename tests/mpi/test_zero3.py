@@ -39,6 +39,7 @@ from worlds import batch_splits, written_for
 from mpishard import ParameterShard, ShardingConfiguration
 from mpishard.nn import GPT, MLP, FunctionModel, ParallelMLP
 from mpishard.optim import SGD, AdamW
+from mpishard.parallel.memory import PHASE_KEYS
 from mpishard.strategies import (
     DDPOptimizer,
     HybridShardedModel,
@@ -204,8 +205,9 @@ def test_resident_parameters_are_the_shard(gathers):
         assert report["gathered"] == (max(buckets[0::2]) + max(buckets[1::2])) * itemsize
     assert max(buckets) * itemsize <= report["gathered_peak"] <= report["gathered"]
     assert report["optimizer_state"] == 2 * len(shard) * itemsize        # AdamW
+    held = {k: v for k, v in report.items() if not k.startswith(PHASE_KEYS)}
     assert report["peak"] >= report["total"] == sum(
-        v for k, v in report.items() if k not in ("total", "peak", "gathered_peak"))
+        v for k, v in held.items() if k not in ("total", "peak", "gathered_peak"))
 
 
 def test_gathered_parameters_and_unshard():
@@ -454,6 +456,7 @@ def test_numpy_memory_does_not_grow_in_the_step_loop():
     step 30: nothing is allocated and kept by a ZeRO-3 step."""
     import tracemalloc
 
+    gc.collect()   # earlier tests' garbage (hybrid models hold cycles) is not this loop's
     model = make_gpt()
     dist = ZeRO3Optimizer(AdamW(lr=1e-3), ShardingConfiguration(WORLD), bucket_mb=1e-3,
                           gather_mb=2e-3, model=model)
