@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cuda_emulated import HERE, ptr
+from cuda_emulated import build as emulated_build
 
 from mpishard.kernels import attention as att
 
-HERE = Path(__file__).resolve().parents[1] / "support" / "cuda_emulation"
 DTYPES = [np.float64, np.float32]
 
 
@@ -106,16 +106,7 @@ def build(folder: Path) -> ctypes.CDLL:
     for n, variant in enumerate(VARIANTS):
         source = att.kernel_source(*variant).replace('extern "C"', "")
         code.append(f"namespace v{n} {{\n{source}\n}}\n" + template.replace("__NS__", f"v{n}"))
-    out = folder / "attention"
-    out.with_suffix(".cpp").write_text("".join(code))
-    proc = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
-                           f"-I{HERE}", "-o", str(out.with_suffix(".so")),
-                           str(out.with_suffix(".cpp"))], capture_output=True, text=True)
-    if proc.returncode:
-        if "barrier" in proc.stderr and "No such file" in proc.stderr:
-            pytest.skip("g++ has no C++20 <barrier>")
-        raise AssertionError(f"the kernels' source does not compile:\n{proc.stderr[-3000:]}")
-    return ctypes.CDLL(str(out.with_suffix(".so")))
+    return emulated_build("".join(code), folder / "attention")
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +121,6 @@ def kernels(tmp_path_factory):
         return tuple(getattr(lib, f"attn_{name}_v{n}") for name in ("fwd", "dq", "dkdv"))
 
     return entry
-
-
-def ptr(a: np.ndarray) -> ctypes.c_void_p:
-    assert a.flags.c_contiguous
-    return a.ctypes.data_as(ctypes.c_void_p)
 
 
 def emulated(entries, rpw, q, k, v, dout, scale):

@@ -17,12 +17,13 @@ import ctypes
 import functools
 import re
 import shutil
-import subprocess
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cuda_emulated import HERE
+from cuda_emulated import build as emulated_build
 from deposit_cases import SEGMENTS, vectors
 
 import mpishard.kernels.deposit as kd
@@ -36,7 +37,6 @@ from mpishard.reprosum import (
     fixed_bin_sum,
 )
 
-HERE = Path(__file__).resolve().parents[1] / "support" / "cuda_emulation"
 #: Kernel name -> the C entry point of deposit_launch.inc.
 ENTRIES = {"ms_chunk_top": "chunk_top", "ms_deposit": "deposit", "ms_to_float": "to_float",
            "ms_exact_sum": "exact_sum", "ms_square_words": "square_words"}
@@ -48,15 +48,7 @@ def compiled(source: str, folder: str) -> ctypes.CDLL:
             + (HERE / "deposit_launch.inc").read_text())
     ctype = re.search(r"typedef (\w+) T;", source).group(1)
     out = Path(folder) / f"deposit_{ctype}"
-    out.with_suffix(".cpp").write_text(code)
-    proc = subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC",
-                           "-pthread", f"-I{HERE}", "-o", str(out.with_suffix(".so")),
-                           str(out.with_suffix(".cpp"))], capture_output=True, text=True)
-    if proc.returncode:
-        if "barrier" in proc.stderr and "No such file" in proc.stderr:
-            pytest.skip("g++ has no C++20 <barrier>")
-        raise AssertionError(f"the kernels' source does not compile:\n{proc.stderr[-3000:]}")
-    return ctypes.CDLL(str(out.with_suffix(".so")))
+    return emulated_build(code, out, ("-ffp-contract=off",))
 
 
 def c_arg(value):

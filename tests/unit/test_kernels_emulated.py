@@ -16,17 +16,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import shutil
-import subprocess
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cuda_emulated import HERE, ptr
+from cuda_emulated import build as emulated_build
 
 from mpishard.kernels import nn as k
 from mpishard.nn.losses import SoftmaxCrossEntropy
 
-HERE = Path(__file__).resolve().parents[1] / "support" / "cuda_emulation"
 TYPES = {np.float32: "float", np.float64: "double"}
 
 
@@ -36,15 +36,7 @@ def build(ctype: str, label: str, folder: str) -> ctypes.CDLL:
     code = ('#include "shim.h"\n' + source.replace('extern "C"', "")
             + (HERE / "launch.inc").read_text())
     out = Path(folder) / f"rows_{ctype}_{label.replace(' ', '_')}"
-    out.with_suffix(".cpp").write_text(code)
-    proc = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
-                           f"-I{HERE}", "-o", str(out.with_suffix(".so")),
-                           str(out.with_suffix(".cpp"))], capture_output=True, text=True)
-    if proc.returncode:
-        if "barrier" in proc.stderr and "No such file" in proc.stderr:
-            pytest.skip("g++ has no C++20 <barrier>")
-        raise AssertionError(f"the kernels' source does not compile:\n{proc.stderr[-3000:]}")
-    return ctypes.CDLL(str(out.with_suffix(".so")))
+    return emulated_build(code, out)
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +45,6 @@ def kernels(tmp_path_factory):
         pytest.skip("no g++ to compile the kernels' source for the CPU")
     folder = str(tmp_path_factory.mktemp("cuda_emulation"))
     return lambda dtype, label="long long": build(TYPES[dtype], label, folder)
-
-
-def ptr(a: np.ndarray) -> ctypes.c_void_p:
-    assert a.flags.c_contiguous
-    return a.ctypes.data_as(ctypes.c_void_p)
 
 
 def scalar(dtype, value):
