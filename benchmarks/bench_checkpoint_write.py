@@ -32,65 +32,26 @@ second.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+# The sizes, the model and the timing of the read/write benchmark, shared.
+from bench_checkpoint import emit, layout_for, numpy_save, parse_size, timed, unused
 from mpi4py import MPI
 
 from mpishard import ShardingConfiguration
 from mpishard.checkpoint import save_checkpoint, wait_for_checkpoint
-from mpishard.flat import ParamLayout
 from mpishard.nn import FunctionModel
 from mpishard.optim import Adam
 from mpishard.strategies import ZeRO2Optimizer
 
 WORLD = MPI.COMM_WORLD
-UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 PIECE = 16 << 20
-
-
-def parse_size(text: str) -> int:
-    for unit, factor in UNITS.items():
-        if text.endswith(unit):
-            return int(float(text[:-len(unit)]) * factor)
-    return int(text)
-
-
-def layout_for(total_bytes: int, layers: int = 8, width: int = 1024) -> ParamLayout:
-    """8 layers of (rows, width) weights and (width,) biases, float32: ~total/3 bytes."""
-    elements = total_bytes // (3 * 4)
-    rows = max(1, (elements // layers - width) // width)
-    layout = ParamLayout()
-    for i in range(layers):
-        layout.add(f"{i}.weight", (rows, width))
-        layout.add(f"{i}.bias", (width,))
-    return layout
-
-
-def unused(params, x, y):   # the benchmark never trains
-    raise NotImplementedError
-
-
-def emit(record: dict[str, Any]) -> None:
-    if WORLD.rank == 0:
-        print(json.dumps(record), flush=True)
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    """Seconds of ``fn()`` on the slowest rank, after a flush of dirty pages."""
-    if WORLD.rank == 0:
-        os.sync()
-    WORLD.Barrier()
-    t0 = time.perf_counter()
-    fn()
-    WORLD.Barrier()
-    return time.perf_counter() - t0
 
 
 def file_per_process(path: str, arrays: list[np.ndarray], durable: bool) -> None:
@@ -108,15 +69,6 @@ def file_per_process(path: str, arrays: list[np.ndarray], durable: bool) -> None
             os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def numpy_save(folder: str, arrays: list[np.ndarray], durable: bool, run: int) -> None:
-    for i, a in enumerate(arrays):
-        with open(os.path.join(folder, f"numpy-{run % 2}-{i}.npy"), "wb") as f:
-            np.save(f, a)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
 
 
 def writers(folder: str, model: Any, zero2: Any, mine: list[np.ndarray],
@@ -171,7 +123,7 @@ def bench(size: int, folder: str, repeats: int, drivers: list[str]) -> None:
         for k in range(repeats):
             turn = k % len(names)
             for name in names[turn:] + names[:turn]:
-                times[name].append(timed(lambda run=kinds[name], k=k: run(k)))
+                times[name].append(timed(WORLD, lambda run=kinds[name], k=k: run(k), sync=True))
             if rank == 0:   # the previous run's files, untimed
                 old = f"-{(k + 1) % 2}"
                 for f in os.listdir(folder):
