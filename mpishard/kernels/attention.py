@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import array_namespace
+from .cuda_device import WARP_FUNCTIONS
 from .select import fused_on
 
 __all__ = [
@@ -197,32 +198,16 @@ def kernel_source(dtype: Any, head_dim: int, rpw: int) -> str:
 # tiles of 32, one a lane. Blocks are numbered tile-fastest within a head.
 _SOURCE = r"""
 typedef __TYPE__ T;
+""" + WARP_FUNCTIONS + r"""
 #define HD __HD__
 #define RPW __RPW__
 #define ROWS (4 * RPW)
 #define TILE 32
 #define DW ((HD + 31) / 32)
 
-__device__ __forceinline__ float ms_exp(float v) { return expf(v); }
-__device__ __forceinline__ double ms_exp(double v) { return exp(v); }
-__device__ __forceinline__ float ms_log(float v) { return logf(v); }
-__device__ __forceinline__ double ms_log(double v) { return log(v); }
 __device__ __forceinline__ float ms_ninf(float) { return __int_as_float((int)0xff800000u); }
 __device__ __forceinline__ double ms_ninf(double) {
     return __longlong_as_double((long long)0xfff0000000000000ull);
-}
-
-__device__ __forceinline__ T warp_sum(T v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ T warp_max(T v) {
-    for (int o = 16; o > 0; o >>= 1) {
-        const T w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = w > v ? w : v;
-    }
-    return v;
 }
 
 // Where row i of head bh % heads of batch bh / heads starts in (batch, t, heads, HD).

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import array_namespace
+from .cuda_device import WARP_FUNCTIONS
 from .select import fused_on
 
 __all__ = [
@@ -388,29 +389,12 @@ _LABEL_TYPES = {"int8": "signed char", "int16": "short", "int32": "int", "int64"
 _ROW_SOURCE = r"""
 typedef __TYPE__ T;
 typedef __LABEL__ L;
-
-__device__ __forceinline__ float ms_exp(float v) { return expf(v); }
-__device__ __forceinline__ double ms_exp(double v) { return exp(v); }
-__device__ __forceinline__ float ms_log(float v) { return logf(v); }
-__device__ __forceinline__ double ms_log(double v) { return log(v); }
+""" + WARP_FUNCTIONS + r"""
 __device__ __forceinline__ float ms_sqrt(float v) { return sqrtf(v); }
 __device__ __forceinline__ double ms_sqrt(double v) { return sqrt(v); }
 __device__ __forceinline__ float ms_nan(float) { return __int_as_float(0x7fc00000); }
 __device__ __forceinline__ double ms_nan(double) {
     return __longlong_as_double(0x7ff8000000000000LL);
-}
-
-__device__ __forceinline__ T warp_sum(T v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ T warp_max(T v) {
-    for (int o = 16; o > 0; o >>= 1) {
-        const T w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = w > v ? w : v;
-    }
-    return v;
 }
 
 // The sum of v over the block, on every thread. sh: 33 values of shared memory.
