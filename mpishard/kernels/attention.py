@@ -218,6 +218,33 @@ __device__ __forceinline__ long long row_at(int bh, int heads, int t, int i) {
 
 __device__ __forceinline__ int clamp_row(int i, int t) { return i < t ? i : t - 1; }
 
+// Rows [r0, r0 + N) of head bh of a and of b (clamped to t - 1) into sa and sb, by
+// the block's threads. WA, WB: the shared arrays' row lengths (HD, or HD + 1 padded).
+template <int N, int WA, int WB>
+__device__ __forceinline__ void load_rows(T (*sa)[WA], T (*sb)[WB], const T* __restrict__ a,
+        const T* __restrict__ b, const int bh, const int heads, const int t, const int r0) {
+    for (int e = threadIdx.x; e < N * HD; e += blockDim.x) {
+        const long long at = row_at(bh, heads, t, clamp_row(r0 + e / HD, t)) + e % HD;
+        sa[e / HD][e % HD] = a[at];
+        sb[e / HD][e % HD] = b[at];
+    }
+}
+
+// acc[r][c] += sum over the tile's j of w[warp * RPW + r][j] * s[j][d], d = lane + 32 c
+// (columns < HD): the warp's rows times a tile of 32 rows in shared memory.
+template <int W>
+__device__ __forceinline__ void accumulate(T (&acc)[RPW][DW], T (*w)[TILE], T (*s)[W],
+        const int warp, const int lane) {
+    for (int j = 0; j < TILE; ++j) {
+        for (int c = 0; c < DW; ++c) {
+            const int d = lane + 32 * c;
+            if (d >= HD) continue;
+            const T sd = s[j][d];
+            for (int r = 0; r < RPW; ++r) acc[r][c] += w[warp * RPW + r][j] * sd;
+        }
+    }
+}
+
 // Forward: queries [q0, q0 + ROWS) of head bh, keys in tiles of 32 up to the last
 // query; warp w owns rows w * RPW + r, lane j key k0 + j of the tile and the
 // columns lane + 32 c of the rows' outputs. Rows past t compute row t - 1 and
@@ -246,11 +273,7 @@ extern "C" __global__ void ms_attention_fwd(
     }
     for (int k0 = 0; k0 <= last; k0 += TILE) {
         __syncthreads();            // every warp is done with the previous tile
-        for (int e = threadIdx.x; e < TILE * HD; e += blockDim.x) {
-            const long long at = row_at(bh, heads, t, clamp_row(k0 + e / HD, t)) + e % HD;
-            sk[e / HD][e % HD] = k[at];
-            sv[e / HD][e % HD] = v[at];
-        }
+        load_rows<TILE>(sk, sv, k, v, bh, heads, t, k0);
         __syncthreads();
         const int key = k0 + lane;
         T s[RPW];                       // the warp's rows' scores for this lane's key
@@ -274,14 +297,7 @@ extern "C" __global__ void ms_attention_fwd(
             sp[row][lane] = p;
         }
         __syncwarp();
-        for (int j = 0; j < TILE; ++j) {
-            for (int c = 0; c < DW; ++c) {
-                const int d = lane + 32 * c;
-                if (d >= HD) continue;
-                const T vd = sv[j][d];
-                for (int r = 0; r < RPW; ++r) acc[r][c] += sp[warp * RPW + r][j] * vd;
-            }
-        }
+        accumulate(acc, sp, sv, warp, lane);
     }
     for (int r = 0; r < RPW; ++r) {
         const int row = warp * RPW + r, i = q0 + row;
@@ -314,11 +330,7 @@ extern "C" __global__ void ms_attention_bwd_dq(
     const int bh = blockIdx.x / tiles;
     const int q0 = (tiles - 1 - (int)(blockIdx.x % tiles)) * ROWS;
     const int last = clamp_row(q0 + ROWS - 1, t);
-    for (int e = threadIdx.x; e < ROWS * HD; e += blockDim.x) {
-        const long long at = row_at(bh, heads, t, clamp_row(q0 + e / HD, t)) + e % HD;
-        sq[e / HD][e % HD] = q[at];
-        sdo[e / HD][e % HD] = dout[at];
-    }
+    load_rows<ROWS>(sq, sdo, q, dout, bh, heads, t, q0);
     T lrow[RPW], drow[RPW], acc[RPW][DW];
     for (int r = 0; r < RPW; ++r) {
         const int row = warp * RPW + r, i = clamp_row(q0 + row, t);
@@ -335,11 +347,7 @@ extern "C" __global__ void ms_attention_bwd_dq(
     }
     for (int k0 = 0; k0 <= last; k0 += TILE) {
         __syncthreads();
-        for (int e = threadIdx.x; e < TILE * HD; e += blockDim.x) {
-            const long long at = row_at(bh, heads, t, clamp_row(k0 + e / HD, t)) + e % HD;
-            sk[e / HD][e % HD] = k[at];
-            sv[e / HD][e % HD] = v[at];
-        }
+        load_rows<TILE>(sk, sv, k, v, bh, heads, t, k0);
         __syncthreads();
         const int key = k0 + lane;
         T s[RPW], dp[RPW];
@@ -357,14 +365,7 @@ extern "C" __global__ void ms_attention_bwd_dq(
             sds[row][lane] = p * (dp[r] - drow[r]);
         }
         __syncwarp();
-        for (int j = 0; j < TILE; ++j) {
-            for (int c = 0; c < DW; ++c) {
-                const int d = lane + 32 * c;
-                if (d >= HD) continue;
-                const T kd = sk[j][d];
-                for (int r = 0; r < RPW; ++r) acc[r][c] += sds[warp * RPW + r][j] * kd;
-            }
-        }
+        accumulate(acc, sds, sk, warp, lane);
     }
     for (int r = 0; r < RPW; ++r) {
         const int i = q0 + warp * RPW + r;
@@ -396,22 +397,14 @@ extern "C" __global__ void ms_attention_bwd_dkdv(
     const int tiles = (t + ROWS - 1) / ROWS;
     const int bh = blockIdx.x / tiles;
     const int j0 = (int)(blockIdx.x % tiles) * ROWS;      // the first keys: most queries
-    for (int e = threadIdx.x; e < ROWS * HD; e += blockDim.x) {
-        const long long at = row_at(bh, heads, t, clamp_row(j0 + e / HD, t)) + e % HD;
-        sk[e / HD][e % HD] = k[at];
-        sv[e / HD][e % HD] = v[at];
-    }
+    load_rows<ROWS>(sk, sv, k, v, bh, heads, t, j0);
     T ak[RPW][DW], av[RPW][DW];
     for (int r = 0; r < RPW; ++r) {
         for (int c = 0; c < DW; ++c) ak[r][c] = av[r][c] = 0;
     }
     for (int i0 = j0 / TILE * TILE; i0 < t; i0 += TILE) {
         __syncthreads();
-        for (int e = threadIdx.x; e < TILE * HD; e += blockDim.x) {
-            const long long at = row_at(bh, heads, t, clamp_row(i0 + e / HD, t)) + e % HD;
-            sq[e / HD][e % HD] = q[at];
-            sdo[e / HD][e % HD] = dout[at];
-        }
+        load_rows<TILE>(sq, sdo, q, dout, bh, heads, t, i0);
         if (threadIdx.x < TILE) {
             const long long at = (long long)bh * t + clamp_row(i0 + threadIdx.x, t);
             sl[threadIdx.x] = lse[at];
