@@ -124,18 +124,43 @@ def numpy_load(folder: str, count: int) -> list[np.ndarray]:
     return [np.load(os.path.join(folder, f"numpy-{i}.npy")) for i in range(count)]
 
 
-def bench(size: int, folder: str, repeats: int) -> None:
-    n_ranks, rank = WORLD.size, WORLD.rank
+def sharded_state(size: int) -> tuple[ParamLayout, np.ndarray, FunctionModel,
+                                      ZeRO2Optimizer]:
+    """``layout_for(size)``, its random parameters, the model and a ZeRO-2 Adam over
+    WORLD whose state shards are random (rank r's seed r + 1), at step 1000."""
     layout = layout_for(size)
-    rng = np.random.default_rng(0)
-    params = rng.standard_normal(layout.size, dtype=np.float32)
+    params = np.random.default_rng(0).standard_normal(layout.size, dtype=np.float32)
     model = FunctionModel(unused, params, layout)
     zero2 = ZeRO2Optimizer(Adam(lr=1e-3), ShardingConfiguration(WORLD),
                            reduce_method="reduce_scatter", model=model)
-    shard_rng = np.random.default_rng(rank + 1)
+    shard_rng = np.random.default_rng(WORLD.rank + 1)
     for v in zero2.state.values():
         v[...] = shard_rng.standard_normal(v.size, dtype=np.float32)
     zero2.step_count = 1000
+    return layout, params, model, zero2
+
+
+def fresh_folder(base: str) -> str:
+    """``base``/n<ranks>, made empty by rank 0; collective over WORLD."""
+    folder = os.path.join(base, f"n{WORLD.size}")
+    if WORLD.rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+    WORLD.Barrier()
+    return folder
+
+
+def empty(folder: str) -> None:
+    """Rank 0 removes the files in ``folder`` once every rank is done; collective over WORLD."""
+    WORLD.Barrier()
+    for name in os.listdir(folder) if WORLD.rank == 0 else ():
+        os.remove(os.path.join(folder, name))
+    WORLD.Barrier()
+
+
+def bench(size: int, folder: str, repeats: int) -> None:
+    n_ranks, rank = WORLD.size, WORLD.rank
+    layout, params, model, zero2 = sharded_state(size)
     full = zero2.synchronize_optimizer_state()
     arrays = [model.params, full["exp_avg"], full["exp_avg_sq"]]
     nbytes = sum(a.nbytes for a in arrays)
@@ -228,10 +253,7 @@ def bench(size: int, folder: str, repeats: int) -> None:
         emit({"kind": "integrity", "bytes": nbytes, "file_bytes": os.path.getsize(path),
               "seal_s": round(t1 - t0, 5), "verify_seal_s": round(t2 - t1, 5),
               "checksum_GBps_one_core": round(sample.nbytes / (t4 - t3) / 1e9, 2)})
-    WORLD.Barrier()
-    for name in os.listdir(folder) if rank == 0 else ():
-        os.remove(os.path.join(folder, name))
-    WORLD.Barrier()
+    empty(folder)
 
 
 def main() -> None:
@@ -243,11 +265,7 @@ def main() -> None:
     args = parser.parse_args()
     import h5py
 
-    folder = os.path.join(args.folder, f"n{WORLD.size}")
-    if WORLD.rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)
-        os.makedirs(folder)
-    WORLD.Barrier()
+    folder = fresh_folder(args.folder)
     # Fresh memory is slow to touch in some virtual machines (the host backs guest
     # pages lazily); numpy.load and every loader allocate, so say what it costs here.
     t0 = time.perf_counter()

@@ -41,14 +41,10 @@ from typing import Any
 import numpy as np
 
 # The sizes, the model and the timing of the read/write benchmark, shared.
-from bench_checkpoint import emit, layout_for, numpy_save, parse_size, timed, unused
+from bench_checkpoint import emit, empty, fresh_folder, numpy_save, parse_size, sharded_state, timed
 from mpi4py import MPI
 
-from mpishard import ShardingConfiguration
 from mpishard.checkpoint import save_checkpoint, wait_for_checkpoint
-from mpishard.nn import FunctionModel
-from mpishard.optim import Adam
-from mpishard.strategies import ZeRO2Optimizer
 
 WORLD = MPI.COMM_WORLD
 PIECE = 16 << 20
@@ -97,15 +93,7 @@ def stats(xs: list[float]) -> dict[str, float]:
 
 def bench(size: int, folder: str, repeats: int, drivers: list[str]) -> None:
     n_ranks, rank = WORLD.size, WORLD.rank
-    layout = layout_for(size)
-    params = np.random.default_rng(0).standard_normal(layout.size, dtype=np.float32)
-    model = FunctionModel(unused, params, layout)
-    zero2 = ZeRO2Optimizer(Adam(lr=1e-3), ShardingConfiguration(WORLD),
-                           reduce_method="reduce_scatter", model=model)
-    shard_rng = np.random.default_rng(rank + 1)
-    for v in zero2.state.values():
-        v[...] = shard_rng.standard_normal(v.size, dtype=np.float32)
-    zero2.step_count = 1000
+    layout, _, model, zero2 = sharded_state(size)
     lo, hi = zero2.shard.start, zero2.shard.stop
     mine = [model.params[lo:hi]] + [v[:hi - lo] for v in zero2.state.values()]
     whole = ([model.params] + [np.empty(layout.size, dtype=np.float32)] * 2
@@ -142,11 +130,7 @@ def bench(size: int, folder: str, repeats: int, drivers: list[str]) -> None:
                                     "median": round(statistics.median(fpp)
                                                     / statistics.median(times[name]), 3)}
                  for name in others}})
-    WORLD.Barrier()
-    if rank == 0:
-        for f in os.listdir(folder):
-            os.remove(os.path.join(folder, f))
-    WORLD.Barrier()
+    empty(folder)
 
 
 def main() -> None:
@@ -160,11 +144,7 @@ def main() -> None:
     args = parser.parse_args()
     import h5py
 
-    folder = os.path.join(args.folder, f"n{WORLD.size}")
-    if WORLD.rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)
-        os.makedirs(folder)
-    WORLD.Barrier()
+    folder = fresh_folder(args.folder)
     emit({"kind": "environment", "ranks": WORLD.size, "cores": os.cpu_count(),
           "load_1min": round(os.getloadavg()[0], 2), "h5py": h5py.__version__,
           "hdf5": h5py.version.hdf5_version, "h5py_mpi": bool(h5py.get_config().mpi),
