@@ -12,6 +12,9 @@ launch only (MPISHARD_ELASTIC_RESTARTS unset or 0):
   --slow-after-restart T   sleep T seconds per step on relaunches (test timing)
   --step-seconds T   sleep T seconds in every step (a step longer than mpirun's
                      SIGTERM-to-SIGKILL interval)
+  --async-checkpoints   write the periodic checkpoints in the background (the
+                     default here is synchronous: a kill then always finds the
+                     checkpoint of the last --every step, which the tests assert)
   --exit-zero        a worker script written for 0.1: it never reads opt.exit_code
                      (nor stop_reason) and exits 0 whenever optimize() returns
 """
@@ -55,6 +58,7 @@ def main() -> None:
     p.add_argument("--slow-after-restart", type=float, default=0.0)
     p.add_argument("--step-seconds", type=float, default=0.0)
     p.add_argument("--exit-zero", action="store_true")
+    p.add_argument("--async-checkpoints", action="store_true")
     args = p.parse_args()
     kill_ranks = {int(r) for r in args.kill_rank.split(",")}
 
@@ -69,7 +73,8 @@ def main() -> None:
     pinned = {"reduce_method": "reduce_scatter"} if args.strategy in ("zero2", "zero3") else {}
     opt = ElasticOptimizer(Adam(lr=3e-3), ShardingConfiguration(comm), args.min_workers,
                            args.max_workers, strategy=args.strategy, checkpoint_dir=args.ckpt,
-                           checkpoint_every=args.every, **pinned)
+                           checkpoint_every=args.every,
+                           async_checkpoints=args.async_checkpoints, **pinned)
     record = {"workers": comm.size, "restarts": int(os.environ.get("MPISHARD_ELASTIC_RESTARTS", 0))}
 
     if args.kill_in_save is not None and first_launch:
