@@ -4,7 +4,8 @@ Run under ``mpirun -n N python -m pytest --with-mpi -m mpi`` for N = 1, 2, 4 (an
 8 for the 3D layouts). A file is written by all N ranks of ``COMM_WORLD`` with
 each strategy of the registry (DDP, ZeRO-2, ZeRO-3: ``tests/support/strategies.py``);
 it is loaded by the first M ranks (a sub-communicator of size M = 1, 2, 3, 4 <= N)
-with each strategy, and training goes on. Each test computes its reference in
+with each strategy (at M = 1 and 2 the writer's own, and one other pair each),
+and training goes on. Each test computes its reference in
 the same run: the same training never stopped, on all N ranks with the writer's
 strategy, and the saved state handed to the reader's strategy in memory.
 
