@@ -62,6 +62,7 @@ print(f"HOST {{MPI.COMM_WORLD.rank}} {{socket.gethostname()}}", flush=True)
 PHASE, VICTIMS, KILL, STRATEGY, EVERY = {phase!r}, {victims}, {kill}, {strategy!r}, {every}
 MIN = {min_workers}
 REPRO, BUDDY = {repro}, {buddy}
+WHOLE = REPRO          # the uninterrupted run: only the reproducible tests compare with it
 EPOCHS, ROWS = 4, 24
 # The victims die after completing step KILL (every survivor completed it too), or
 # inside it: the survivors then go on from the step before (ZeRO-2 with a death in
@@ -106,10 +107,12 @@ def gathered(opt):     # the whole parameter vector (ZeRO-3: gathered from the s
 
 
 # --- the run that loses no rank (reproducible mode: the same bits as the others) ---
-model = fresh()
-opt = make(MPI.COMM_WORLD, model)
-train(opt, model)
-whole = gathered(opt)
+whole = None
+if WHOLE:
+    model = fresh()
+    opt = make(MPI.COMM_WORLD, model)
+    train(opt, model)
+    whole = gathered(opt)
 
 # --- the reference: 3 ranks up to AGREED, then the survivors alone ---
 ref = fresh()
@@ -248,7 +251,7 @@ if opt.config.world.rank == 0:
         "vs_reference": float(np.max(np.abs(final - ref) / np.abs(ref))),
         "allclose_reference": bool(np.allclose(final, ref, rtol=1e-12, atol=0)),
         "equal_reference": bool(np.array_equal(final, ref)),
-        "equal_uninterrupted": bool(np.array_equal(final, whole)),
+        "equal_uninterrupted": None if whole is None else bool(np.array_equal(final, whole)),
         "sharded": model.params is None, "held": held,
         "shard": len(opt.core.shard) if NAME == "zero3" else held,     # else whole
     }}), flush=True)
@@ -284,13 +287,16 @@ def run_job(tmp_path, phase, ranks=3, **options):
 
 
 #: The kill matrix: (strategy, phase, seed, ranks, ranks killed at once). Each
-#: point draws its victims and step from its seed.
-MATRIX = [("ddp", "forward", 1, 3, 1), ("ddp", "bucket", 2, 3, 1), ("ddp", "step", 3, 3, 1),
-          ("ddp", "stop", 4, 3, 1), ("ddp", "checkpoint", 5, 3, 1),
-          ("ddp", "evaluation", 16, 3, 1), ("ddp", "forward", 18, 4, 2),
-          ("zero2", "forward", 11, 3, 1), ("zero2", "bucket", 12, 3, 1),
+#: point draws its victims and step from its seed. The phases every strategy meets
+#: alike (the forward, the stop agreement, a checkpoint save, the evaluation's
+#: start) run for one strategy each (the forward also for DDP losing two ranks);
+#: each strategy's own calls (buckets, the step's Allreduce, ZeRO-2's Allgatherv,
+#: ZeRO-3's gathers, also in an evaluation, the buddy exchange) for each that has them.
+MATRIX = [("ddp", "bucket", 2, 3, 1), ("ddp", "step", 3, 3, 1),
+          ("ddp", "stop", 4, 3, 1), ("ddp", "forward", 18, 4, 2),
+          ("zero2", "bucket", 12, 3, 1),
           ("zero2", "allgather", 13, 3, 1), ("zero2", "exchange", 14, 3, 1),
-          ("zero2", "checkpoint", 15, 3, 1), ("zero2", "evaluation", 17, 3, 1),
+          ("zero2", "evaluation", 17, 3, 1),
           ("zero2", "allgather", 19, 4, 2), ("zero2-ring", "bucket", 20, 3, 1),
           # ZeRO-3 (no rank holds the whole vector): its gathers, shard to shard after.
           ("zero3", "forward", 1, 3, 1), ("zero3", "gather", 2, 3, 1),
@@ -537,7 +543,7 @@ def test_reproducible_mode_ends_with_the_bits_of_the_run_that_lost_no_rank(tmp_p
     result = json.loads(match.group(1))
     [rec] = result["recoveries"]
     assert rec["lost_ranks"] == [victim] and rec["step"] == kill - 1, rec
-    assert result["equal_uninterrupted"] and result["equal_reference"], result
+    assert result["equal_uninterrupted"] is True and result["equal_reference"], result
     assert job.returncode in (0, None), out
 
 
