@@ -194,6 +194,12 @@ class ShardingConfiguration:
             world = self._split_spares(world, spares)
             if self.is_spare:
                 return
+        self._build_groups(world)
+
+    def _build_groups(self, world: FlatComm) -> None:
+        """The layout over ``world`` (agreed: no rank hangs on arguments that differ),
+        the groups, the ranks' names for a timeout, fault tolerance and the abort
+        hook. Collective over ``world``."""
         # Every rank computes the same thing from the same arguments; should the
         # arguments differ between ranks, the agreement below still lets no rank hang.
         error = None

@@ -56,16 +56,9 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
     sampling, reporting, checkpointing = option_groups(sampling, reporting, checkpointing,
                                                        flat, strategy)
     core = strategy
-    joined = None
-    if core.config.is_spare:   # wait until promoted (or released: never used)
-        try:
-            joined = wait_as_spare(core, model)
-        except HandOver as over:   # the promotion failed: one line, exit 75
-            hand_over(over)
-        if joined is None:
-            return TrainResult(spare="unused")
-    elif core.model is not model:
-        core.attach(model)
+    trains, joined = _take_part(core, model)
+    if not trains:
+        return TrainResult(spare="unused")
     continuing = core.data_position is not None
     feeder = Feeder(core, model, data, epochs, batch_size, sampling)
     result = TrainResult(first_step=core.step_count, last_step=core.step_count)
@@ -73,7 +66,7 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
                       _total_steps(feeder, epochs, max_steps), continuing)
     saver = _Saver(checkpointing.manager, core, model, report, result)
     recovery = RecoveryPolicy(core, checkpointing.manager, saver.save, reporting.label,
-                        checkpointing.min_workers)
+                              checkpointing.min_workers)
     steps = _Steps(core, model, feeder, report, saver, recovery, result, callback, stop,
                    max_steps, checkpointing.every)
     if joined is not None:   # as the survivors do after the recovery
@@ -92,6 +85,22 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
     finally:
         report.close()
     return result
+
+
+def _take_part(core: StrategyCore, model: Model) -> tuple[bool, Any]:
+    """Attach ``model``; a spare rank waits instead until it is promoted.
+    ``(trains, joined)``: ``trains`` is False for a spare released unused,
+    ``joined`` the recovery a promoted spare joins (None for a training rank).
+    A failed promotion ends the process (one line, exit 75)."""
+    if not core.config.is_spare:
+        if core.model is not model:
+            core.attach(model)
+        return True, None
+    try:
+        joined = wait_as_spare(core, model)
+    except HandOver as over:
+        hand_over(over)
+    return joined is not None, joined
 
 
 def _warn_nothing_to_train(feeder: Feeder, epochs: int | None) -> None:
