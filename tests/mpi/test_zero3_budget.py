@@ -204,10 +204,18 @@ def test_gpt_beyond_the_budget_trains_in_shards(tmp_path_factory):
 def assert_shard(strategy, params, state):
     """The strategy's shard of the parameters and the Adam state are the reference's."""
     r, mine = strategy.parameter_shard()
-    np.testing.assert_allclose(mine, params[r.start:r.stop], rtol=1e-10, atol=1e-14)
+    close(mine, params, r, "parameters")
     for name, value in strategy.state.items():
-        np.testing.assert_allclose(value, state[name][r.start:r.stop], rtol=1e-10,
-                                   atol=1e-14, err_msg=name)
+        close(value, state[name], r, name)
+
+
+def close(mine, whole, r, what):
+    """``mine`` is ``whole[r]`` to 1e-10 of ``whole``'s scale: an element near zero
+    may differ by the roundoff of the sums (their order changes with the ranks), as
+    Adam turns a tiny gradient's few ulps into a step of lr's size."""
+    scale = float(np.abs(whole).max())
+    np.testing.assert_allclose(mine, whole[r.start:r.stop], rtol=1e-10,
+                               atol=1e-10 * scale, err_msg=what)
 
 
 def test_whole_construction_exceeds_the_budget():
