@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from layouts import hybrid, mlp_data
 from mpi4py import MPI
+from worlds import batch_splits
 
 from mpishard import CheckpointError, ShardingConfiguration
 from mpishard.checkpoint import (
@@ -30,7 +31,7 @@ from mpishard.nn import MLP
 from mpishard.optim import AdamW
 from mpishard.strategies import DDPOptimizer, ElasticOptimizer, ZeRO2Optimizer, ZeRO3Optimizer
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, batch_splits(24)]   # BATCH, below
 
 WORLD = MPI.COMM_WORLD
 SIZES = [5, 7, 7, 3]   # 122 parameters: no shard boundary meets a tensor's
@@ -106,8 +107,12 @@ def test_async_file_is_the_sync_file(name, mpi_tmp_path):
 def test_tensor_parallel_slices_land_where_the_sync_save_puts_them(tp, mpi_tmp_path):
     if WORLD.size % tp:
         pytest.skip(f"tp={tp} needs a world size divisible by it, got {WORLD.size}")
+    dp = WORLD.size // tp
+    if 48 % (2 * dp):
+        pytest.skip(f"a global batch of 48 rows does not split over {dp} data-parallel "
+                    f"ranks x 2 micro-batches")
     model, opt = hybrid(WORLD, tp, 1, "zero2", reduce_method="reduce_scatter")
-    opt.optimize(model, mlp_data(), epochs=1, batch_size=16)
+    opt.optimize(model, mlp_data(), epochs=1, batch_size=48)
     sync = save_checkpoint(mpi_tmp_path / "sync.h5", model, opt)
     path = save_checkpoint(mpi_tmp_path / "async.h5", model, opt, asynchronous=True)
     wait_for_checkpoint()

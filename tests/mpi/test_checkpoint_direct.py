@@ -17,13 +17,14 @@ import pytest
 from layouts import hybrid, mlp_data
 from mpi4py import MPI
 from test_async_checkpoint import assert_same_file, make, make_data, params_of
+from worlds import batch_splits
 
 from mpishard import CheckpointError
 from mpishard.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from mpishard.checkpoint import write as checkpoint_write
 from mpishard.checkpoint.collective import DRIVER_ENV
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, batch_splits(24)]
 
 WORLD = MPI.COMM_WORLD
 HDF5_DRIVERS = ["serial"] + (["mpio"] if h5py.get_config().mpi else [])
