@@ -143,9 +143,11 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
         """This core's gradient reduction (made at attach)."""
         raise NotImplementedError
 
-    def _new_placement(self, model: Model) -> Placement:
+    def _new_placement(self, model: Model, shard: Any = None) -> Placement:
         """This core's parameter placement for ``model`` (made at attach, after the
-        reduction, every replica holding rank 0's parameters)."""
+        reduction, every replica holding rank 0's parameters); ``shard``: this
+        rank's shard where the parameters stay sharded (ZeRO-3: built in shards,
+        or moved there by a recovery), kept as its store."""
         raise NotImplementedError
 
     def attach(self, model: Model) -> None:
@@ -211,9 +213,7 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
                           reduction.norm_pieces(self._owned_ranges()), reduction.norm_vector,
                           self.xp, self._counts_rows,
                           self._repro.extra if self._repro is not None else 0)
-        self._incoming_shard = None if built is None else built[1]   # ZeRO-3's store
-        self.placement = self._new_placement(model)
-        self._incoming_shard = None
+        self.placement = self._new_placement(model, None if built is None else built[1])
         self._attached(whole=model.params is not None)
         self.memory_phases.leave(opened)
         #: Seconds the last attach took on this rank (the run header prints it).

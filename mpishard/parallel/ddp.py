@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..protocols import Model
 from .base import DataParallelCore
 from .placement import Replicated
@@ -41,5 +43,5 @@ class DDPCore(DataParallelCore):
     def _new_reduction(self) -> Allreduced:
         return Allreduced(self.config, self.accumulation_steps)
 
-    def _new_placement(self, model: Model) -> Replicated:
+    def _new_placement(self, model: Model, shard: Any = None) -> Replicated:
         return Replicated(model, self.dp, self.xp, self.optimizer)

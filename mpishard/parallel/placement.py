@@ -281,9 +281,6 @@ class GatheredBeforeUse(GatheredAfterStep):
         self.units = unit_ranges(self.layout)
         #: The gather bucket size in elements (``gather_mb`` resolved).
         self.gather_elements = gather_elements
-        if shard is None:   # built in shards: its shard is the store
-            built = built_shard_of(model)
-            shard = built[1] if built is not None else None
         # A shard given is kept as it is (built there, or a recovery moved it): no copy.
         self.store = shard if shard is not None else xp.empty(len(self.shard), dtype=self.dtype)
         #: The gathers' communicator: a duplicate of ``groups.dp``.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..protocols import Model
 from .options import REDUCE_METHODS, ZeRO2Options
 from .placement import GatheredAfterStep
@@ -43,5 +45,5 @@ class ZeRO2Core(ShardedCore):
     strategy = "zero2"
     public = "ZeRO2Optimizer"
 
-    def _new_placement(self, model: Model) -> GatheredAfterStep:
+    def _new_placement(self, model: Model, shard: Any = None) -> GatheredAfterStep:
         return GatheredAfterStep(model, self.dp, self.xp, self._sharded_state())

@@ -74,7 +74,7 @@ class ZeRO3Core(ShardedCore):
         self.attach(model)
         return model
 
-    def _new_placement(self, model: Model) -> Placement:
+    def _new_placement(self, model: Model, shard: Any = None) -> Placement:
         """Gathered before use where the model has parameter hooks and parameters,
         else gathered after the step (ZeRO-2's). Collective over ``groups.dp``."""
         sharded = self._sharded_state()
@@ -84,7 +84,7 @@ class ZeRO3Core(ShardedCore):
                                               self.dp.size)
         return GatheredBeforeUse(model, self.dp, self.xp, sharded, gather_elements=gather,
                                  prefetch=self.prefetch, keep=self.keep_gathered,
-                                 shard=getattr(self, "_incoming_shard", None))
+                                 shard=shard)
 
     def attach(self, model: Model) -> None:
         """As [`DataParallelCore.attach`][mpishard.parallel.base.DataParallelCore.attach]

@@ -43,7 +43,7 @@ class ZeRO1Core(DataParallelCore):
     def _new_reduction(self):
         return Allreduced(self.config, self.accumulation_steps)
 
-    def _new_placement(self, model):
+    def _new_placement(self, model, shard=None):
         state = ShardedState(self.layout.size, self.dtype, self.dp, self.xp, self.optimizer)
         return GatheredAfterStep(model, self.dp, self.xp, state)
 
