@@ -225,6 +225,7 @@ class FlatComm:
         # A wait longer than note_after() is noted in the job directory, so that the
         # ranks that time out can tell who arrived; quick waits write nothing.
         note_at, noted, evicted = start + stuck.note_after(self.timeout), False, False
+        nap = 0.0
         try:
             while not request.Test():
                 now = time.monotonic()
@@ -239,7 +240,12 @@ class FlatComm:
                         evicted, deadline = True, now + self.timeout
                         continue
                     self._abort_stuck(what)
-                time.sleep(0)
+                # Yield at first (a quick wait stays quick); a wait past _SPIN_S
+                # naps, growing to _NAP_MAX_S, so that waiting ranks leave the
+                # cores to the working ones where ranks outnumber cores.
+                if now - start > _SPIN_S:
+                    nap = min(_NAP_MAX_S, max(nap * 2, _NAP_MIN_S))
+                time.sleep(nap)
         finally:
             if noted:
                 stuck.unnote_wait()
@@ -787,6 +793,11 @@ def _chain(*steps: Callable[[], None] | None) -> Callable[[], None] | None:
             step()
 
     return run
+
+
+#: A wait under a timeout yields for this long, then naps (seconds): from
+#: ``_NAP_MIN_S`` doubling to ``_NAP_MAX_S``, a bound on the latency it adds.
+_SPIN_S, _NAP_MIN_S, _NAP_MAX_S = 2e-3, 2e-5, 5e-4
 
 
 def _displacements(counts: Sequence[int]) -> list[int]:
