@@ -331,8 +331,13 @@ def _model(s: Settings, config: Any, dtype: np.dtype, n_in: int, n_out: int,
         return factory()
     from ..nn import HybridShardedModel
 
+    shard = None
+    if s.data_parallel == "zero3":   # each stage built in shards over its data group
+        from ..flat import ParameterShard
+
+        shard = ParameterShard(config.groups.dp.rank, config.groups.dp.size)
     return HybridShardedModel(factory, config, micro_batches=s.micro_batches,
-                              schedule=s.schedule)
+                              schedule=s.schedule, shard=shard)
 
 
 def _strategy(s: Settings, config: Any, model: Any, steps: int, warmup: int) -> Any:

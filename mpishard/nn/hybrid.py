@@ -10,6 +10,7 @@ ZeRO-2 or ZeRO-3 on that shard (the hybrid cores of
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import numbers
@@ -18,6 +19,7 @@ from typing import Any
 
 from ..config import ShardingConfiguration
 from ..errors import TopologyError
+from ..flat import ParameterShard, Range
 from ..pipeline.executor import PipelineStage
 from ..pipeline.partition import balance_stages, check_boundaries
 from ..pipeline.schedules import SCHEDULES
@@ -44,6 +46,15 @@ class HybridShardedModel:
         schedule: ``"1f1b"`` (default) or ``"gpipe"``.
         stages: stage boundaries (``[0, 3, 7]`` or ``[(0, 3), (3, 7), (7, 10)]``);
             by default layers are balanced by parameter count.
+        shard: build the stage in ZeRO-3 shards: this rank's
+            [`ParameterShard`][mpishard.flat.ParameterShard] over the data-parallel
+            group, ``ParameterShard(config.groups.dp.rank, config.groups.dp.size)``
+            (the factory is given it as ``shard=``). Each rank then allocates and
+            initialises only its shard of its (stage, tensor) slice, bit for bit
+            that shard of the whole stage, at any layout; ``params`` and ``grads``
+            are None until a ZeRO-3 hybrid strategy attaches it
+            ([`HybridShardedOptimizer.build`][mpishard.strategies.hybrid.HybridShardedOptimizer.build]
+            builds and attaches).
 
     It is a model (``params``, ``grads``, ``layout`` of this rank's shard;
     ``forward``; ``forward_backward`` runs the whole pipeline schedule and
@@ -54,14 +65,18 @@ class HybridShardedModel:
     Raises:
         TopologyError: sizes that do not divide the world or disagree with ``config``.
         ValueError: more stages than layers, bad boundaries, an unknown schedule,
-            heads or widths not divisible by the tensor size (on every rank).
+            heads or widths not divisible by the tensor size, a ``shard`` that is
+            not this rank's data-parallel shard (on every rank).
+        TypeError: a factory that takes no ``tp_comm=``/``stage_layers=`` (or no
+            ``shard=`` where ``shard`` is given) (on every rank).
     """
 
     def __init__(self, model: Callable[..., Any], config: ShardingConfiguration | None = None,
                  pipeline_parallel_size: int | None = None,
                  tensor_parallel_size: int | None = None,
                  data_parallel_size: int | None = None, *, micro_batches: int = 1,
-                 schedule: str = "1f1b", stages: list | None = None) -> None:
+                 schedule: str = "1f1b", stages: list | None = None,
+                 shard: ParameterShard | None = None) -> None:
         if config is None:
             config = ShardingConfiguration(   # over MPI.COMM_WORLD
                 tensor_parallel_size=tensor_parallel_size or 1,
@@ -81,6 +96,12 @@ class HybridShardedModel:
         elif (not isinstance(micro_batches, numbers.Integral) or isinstance(micro_batches, bool)
               or micro_batches < 1):
             problem = f"micro_batches must be a positive integer, got {micro_batches!r}"
+        dp = config.groups.dp
+        if problem is None and shard is not None and \
+                (shard.rank, shard.ranks) != (dp.rank, dp.size):
+            problem = (f"shard=ParameterShard({shard.rank}, {shard.ranks}) but this rank is "
+                       f"data-parallel rank {dp.rank} of {dp.size}: pass "
+                       f"ParameterShard({dp.rank}, {dp.size})")
         config.world.agree(problem, ValueError)
         self.config = config
         groups = config.groups
@@ -89,10 +110,14 @@ class HybridShardedModel:
         self.micro_batches = int(micro_batches)
         self.schedule = schedule
 
-        config.world.agree(_factory_problem(model), TypeError)
+        config.world.agree(_factory_problem(model, shard is not None), TypeError)
+        #: Built in ZeRO-3 shards over the data group (this rank's), or None.
+        self.shard = shard
+        build = model if shard is None else functools.partial(model, shard=shard)
         # A one-layer probe tells the layer count and sizes without building the
-        # model (collective over the tensor group, like every build).
-        probe = model(tp_comm=self.tp, stage_layers=(0, 1))
+        # model (collective over the tensor group, like every build); in shards,
+        # only its shard of layer 0 (and a scratch of the layer).
+        probe = build(tp_comm=self.tp, stage_layers=(0, 1))
         costs = [sum(math.prod(shape) for _, shape in layer.param_shapes())
                  for layer in probe.all_layers]
         ranges, problem = None, None
@@ -104,7 +129,11 @@ class HybridShardedModel:
         config.world.agree(problem, ValueError)
         self.stage_ranges = ranges
         mine = ranges[self.pp.rank]
-        self.stage_model = probe if mine == (0, 1) else model(tp_comm=self.tp, stage_layers=mine)
+        if mine == (0, 1):
+            self.stage_model = probe
+        else:
+            del probe      # its layer (or shard of it) freed before the stage is built
+            self.stage_model = build(tp_comm=self.tp, stage_layers=mine)
         self.runner = PipelineStage(self.stage_model, self.pp, micro_batches, schedule)
         self._context: tuple[int, int, int] | None = None
         self._factory = model      # for rebuild()
@@ -115,7 +144,11 @@ class HybridShardedModel:
         ([`mpishard.recovery.replicas.drop_replicas`][mpishard.recovery.replicas.drop_replicas]) the
         kept ranks have new groups but the same tensor and pipeline sizes, and each keeps its tensor
         coordinate and pipeline stage, so its parameters are still its own.
-        Gradients start at zero. Collective over ``config.comm``.
+        Gradients start at zero. A stage whose parameters are sharded by ZeRO-3
+        (``params`` None) is built again in shards over ``config``'s data group,
+        nothing whole: the caller puts this rank's new shard in (the recovery
+        moves it shard to shard) when it attaches it again. Collective over
+        ``config.comm``.
 
         Raises:
             TopologyError: ``config`` has other tensor or pipeline sizes, or puts
@@ -133,12 +166,15 @@ class HybridShardedModel:
                        f"had (tp, pp) = ({before.tp}, {before.pp}), the new layout gives "
                        f"({after.tp}, {after.pp})")
         config.world.agree(problem, TopologyError)
-        # Under ZeRO-3 the stage holds no whole vector (params is None): the caller
-        # puts the parameters into the new stage's (the recovery's whole vector).
+        # Under ZeRO-3 the stage holds no whole vector (params is None): built again
+        # in shards; the caller hands the strategy the new shard.
         params = None if self.params is None else self.params.copy()
+        dp = config.groups.dp
+        shard = ParameterShard(dp.rank, dp.size) if params is None else None
         # The same stage boundaries (the balance would give them again; this is sure).
         HybridShardedModel.__init__(self, self._factory, config, micro_batches=self.micro_batches,
-                                    schedule=self.schedule, stages=list(self.stage_ranges))
+                                    schedule=self.schedule, stages=list(self.stage_ranges),
+                                    shard=shard)
         if params is not None:
             self.params[...] = params
 
@@ -158,6 +194,17 @@ class HybridShardedModel:
     @property
     def xp(self):
         return self.stage_model.xp
+
+    @property
+    def dtype(self) -> Any:
+        """The parameters' dtype (the stage model's)."""
+        return self.stage_model.dtype
+
+    def built_shard(self) -> tuple[Range, Any] | None:
+        """``(r, values)``: built in shards (``shard=``) and not attached yet, this
+        rank's shard ``r`` of its stage's (tensor slice of the) vector; else None
+        ([`BuiltInShards`][mpishard.protocols.BuiltInShards])."""
+        return getattr(self.stage_model, "built_shard", lambda: None)()
 
     def forward(self, x: Any) -> Any:
         """Predictions for ``x`` on every rank. Collective over the pipeline and
@@ -226,20 +273,22 @@ class HybridShardedModel:
                 "micro_batches": self.micro_batches}
 
 
-def _factory_problem(factory: Callable[..., Any]) -> str | None:
-    """Why ``factory`` cannot build a stage of a tensor group, or None (or when its
-    signature cannot be read)."""
+def _factory_problem(factory: Callable[..., Any], sharded: bool = False) -> str | None:
+    """Why ``factory`` cannot build a stage of a tensor group (in ZeRO-3 shards where
+    ``sharded``), or None (or when its signature cannot be read)."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         return None
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None
-    missing = [k for k in ("tp_comm", "stage_layers") if k not in params]
+    missing = [k for k in ("tp_comm", "stage_layers") + (("shard",) if sharded else ())
+               if k not in params]
     if not missing:
         return None
     name = getattr(getattr(factory, "func", factory), "__name__", repr(factory))
     hint = "; for an MLP use ParallelMLP (the same model, split)" if name == "MLP" else ""
-    return (f"the model factory must take tp_comm= and stage_layers= (GPT or ParallelMLP, "
+    need = "tp_comm=, stage_layers= and shard=" if sharded else "tp_comm= and stage_layers="
+    return (f"the model factory must take {need} (GPT or ParallelMLP, "
             f"other arguments bound with functools.partial); {name} takes no "
             f"{' and no '.join(missing)}{hint}")

@@ -14,6 +14,7 @@ from ..config import ShardingConfiguration
 from ..flat import Range
 from ..nn.hybrid import HybridShardedModel as HybridShardedModel  # re-export
 from ..nn.shards import owned_ranges, tensor_shards
+from .attach import own_gradient
 from .ddp import DDPCore
 from .zero2 import ZeRO2Core
 from .zero3 import ZeRO3Core
@@ -112,6 +113,34 @@ class HybridZeRO3Core(HybridCore, ZeRO3Core):
     """
 
     strategy = "hybrid-zero3"
+
+    def build(self, factory: Any, *, micro_batches: int = 1, schedule: str = "1f1b",
+              stages: list | None = None) -> HybridShardedModel:
+        """A [`HybridShardedModel`][mpishard.nn.hybrid.HybridShardedModel] of
+        ``factory`` over this core's configuration, built in ZeRO-3 shards
+        (``shard=parameter_shard_spec()``) and attached: each rank allocates and
+        initialises only its shard of its (stage, tensor) slice, bit for bit the
+        shard of the whole construction, at any layout. Collective over
+        ``config.world``.
+
+        Raises:
+            TypeError: a factory that takes no ``shard=`` (or no ``tp_comm=``/``stage_layers=``).
+            ValueError, TopologyError: as
+                [`HybridShardedModel`][mpishard.nn.hybrid.HybridShardedModel].
+        """
+        model = HybridShardedModel(factory, self.config, micro_batches=micro_batches,
+                                   schedule=schedule, stages=stages,
+                                   shard=self.parameter_shard_spec())
+        self.attach(model)
+        return model
+
+    def _attach(self, model: Any, shard: Any) -> None:
+        # A stage built in shards has no gradient: the pipeline sums its
+        # micro-batches' gradients in the stage's gradient vector (the reduction
+        # shards it after the schedule), so the stage gets it here, once.
+        if isinstance(model, HybridShardedModel) and model.grads is None:
+            own_gradient(model.stage_model, model.xp, model.dtype)
+        super()._attach(model, shard)
 
     def _passes(self) -> list[str]:
         return self.model.passes()

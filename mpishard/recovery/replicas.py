@@ -23,7 +23,11 @@ its lowest kept rank at that step. **Hybrid ZeRO-2**: each (tensor, stage)
 data-parallel group, its alive ranks in dropped replicas included, puts its
 parameters and state together at the newest step every group can rebuild
 exactly (its survivors' shards and the buddy copies of the lost ones), resharded
-over the kept ranks. The step count, skipped steps and data position are that
+over the kept ranks. **Hybrid ZeRO-3**: the same step, but nothing is put
+together: each data group's survivors move the parameter and state shards they
+hold (their own, the buddy copies of the lost ones) straight to the kept ranks'
+new shards ([`resplit`][mpishard.recovery.resplit.resplit]), the stage built
+again in shards. The step count, skipped steps and data position are that
 step's. The alive ranks of dropped replicas, once they have helped, raise
 [`HandOver`][mpishard.errors.HandOver] with exit code 0 (each says its own line).
 """
@@ -38,10 +42,12 @@ from typing import Any
 from ..comm import FlatComm, ulfm, world_rank
 from ..errors import HandOver
 from ..exitcodes import EXIT_STOPPED
+from ..flat import Range, shard_ranges
 from ..protocols import RecoverableCore
 from ..topology import Topology
 from .common import Recovered, StepMarks, error_text, put_state, survivors_config
-from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
+from .resplit import Moved, resplit
+from .shardcopy import ShardBuddy, sharded_pieces, zero2_candidates, zero2_rebuild
 
 __all__ = ["drop_replicas", "whole_replicas"]
 
@@ -110,8 +116,12 @@ def drop_replicas(strategy: RecoverableCore, rec: ulfm.Survivors, *,
                          for d, lost in sorted(lost_by_replica.items()))
         raise hand_over(f"no model replica is whole ({what}) in a layout with "
                         f"tensor_parallel_size={topo.tp} and pipeline_parallel_size={topo.pp}")
-    full, root = None, 0
-    if zero2:
+    full, root, group = None, 0, None
+    # ZeRO-3's parameters are sharded (params None): moved shard to shard.
+    resplits = zero2 and model.params is None
+    if resplits:
+        step, group = _sharded_step(strategy, buddy, world, me, hand_over)
+    elif zero2:
         step, full = _zero2_rebuild(strategy, buddy, world, me, hand_over)
     else:
         step, root = _ddp_step(every, kept, me, hand_over)
@@ -123,6 +133,13 @@ def drop_replicas(strategy: RecoverableCore, rec: ulfm.Survivors, *,
     mine_kept = me.dp in kept
     # The old rank order as key: the tp-dp-pp order holds over the kept ranks.
     child = world.split(0 if mine_kept else 1, old.groups.world.rank, "world")
+    moved = Moved()
+    if group is not None:
+        config = survivors_config(old, child.comm) if mine_kept else None
+        try:
+            _resplit_kept(strategy, config, group, buddy, step, moved)
+        finally:
+            group.free()
     if not mine_kept:
         raise HandOver(f"world rank {world_rank()} (host {socket.gethostname()}): dropped "
                        f"with replica {me.dp}, which lost world rank(s) "
@@ -130,15 +147,17 @@ def drop_replicas(strategy: RecoverableCore, rec: ulfm.Survivors, *,
                        exit_code=0, speaker=True)
     dropped = sorted(to_comm_world[r] for r, d, *_ in every if d not in kept)
 
-    config = survivors_config(old, child.comm)
-    _rebuild_kept(strategy, config, full, root)
+    if group is None:
+        config = survivors_config(old, child.comm)
+        _rebuild_kept(strategy, config, full, root)
     strategy.set_progress(step_count=step, skipped_steps=skipped, data_position=position)
     groups = config.groups
     return Recovered(lost_ranks=rec.lost, step=step, world_size=groups.world.size,
                      seconds=rec.seconds + time.perf_counter() - t0,
                      shrink_seconds=rec.seconds, survivor_steps=rec.steps, source="replica",
                      error=error_text(exc), dropped_ranks=dropped,
-                     data_parallel_size=config.topology.dp)
+                     data_parallel_size=config.topology.dp,
+                     moved_bytes=moved.bytes if group is not None else None)
 
 
 def _rebuild_kept(strategy: RecoverableCore, config: Any, full: tuple[Any, Any] | None,
@@ -155,6 +174,55 @@ def _rebuild_kept(strategy: RecoverableCore, config: Any, full: tuple[Any, Any] 
         config.groups.dp.Bcast(model.params, root=root)
     strategy.rebuild(config)       # the same object and options, over the kept ranks
     put_state(strategy, full[1] if full is not None else None, state, config.groups.dp, root)
+
+
+def _sharded_step(strategy: RecoverableCore, buddy: ShardBuddy | None, world: FlatComm,
+                  me: Any, hand_over: Callable[[str], HandOver]) -> tuple[int, FlatComm]:
+    """ZeRO-3: the newest step every (tensor, stage) data-parallel group can rebuild
+    exactly from its survivors' shards and buddy copies, and this rank's group of
+    survivors (the old data group's, dropped replicas' alive ranks included; the
+    caller frees it). Collective over ``world``."""
+    topo = strategy.config.topology
+    group = world.split(me.pp * topo.tp + me.tp, me.dp, "data-parallel survivors")
+    mine = zero2_candidates(strategy, buddy, group)
+    common = set.intersection(*map(set, world.allgather(sorted(mine))))
+    if not common:
+        group.free()
+        raise hand_over("ZeRO-3 lost parameter and optimizer-state shards: there is no "
+                        "step at which every data-parallel group can put them together "
+                        "from its survivors' shards and buddy copies")
+    return max(common), group
+
+
+def _resplit_kept(strategy: RecoverableCore, config: Any, group: FlatComm,
+                  buddy: ShardBuddy | None, step: int, moved: Moved) -> None:
+    """ZeRO-3: this rank's group of survivors moves the stage's parameters and state
+    at ``step`` shard to shard ([`resplit`][mpishard.recovery.resplit.resplit]):
+    each kept rank gets its shard under ``config`` (None: a dropped replica's rank,
+    which only sends) and the model and ``strategy`` are rebuilt over it, the
+    parameters kept as the new shard, the state moved straight into the rebuilt
+    core's. Nothing whole on any rank (but a shard of one data-parallel rank).
+    Collective over ``group`` (and ``config.world`` on the kept ranks)."""
+    pieces = sharded_pieces(strategy, buddy, group, step)
+    xp, size = strategy.xp, strategy.layout.size
+    want = Range(0, 0)
+    if config is not None:
+        dp = config.groups.dp
+        want = shard_ranges(size, dp.size)[dp.rank]
+    dtypes = {name: value.dtype for name, value in pieces[0][1].items()}
+    params = {"params": dtypes.pop("params")}
+    if config is None:
+        resplit(group, pieces, want, params, xp, moved)
+        resplit(group, pieces, want, dtypes, xp, moved)
+        return
+    model = strategy.model
+    model.rebuild(config)      # in shards over the kept data group: nothing whole
+    built = model.built_shard()
+    # Straight into the rebuilt stage's new shard, kept as the strategy's store.
+    out = {"params": built[1]} if built is not None and built[0] == want else None
+    store = resplit(group, pieces, want, params, xp, moved, out=out)["params"]
+    strategy.rebuild(config, shard=store)
+    resplit(group, pieces, want, dtypes, xp, moved, out=strategy.state)
 
 
 def _ddp_step(every: list[tuple[int, ...]], kept: list[int], me: Any,

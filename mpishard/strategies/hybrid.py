@@ -51,3 +51,34 @@ class HybridShardedOptimizer(Strategy):
         #: The data-parallel strategy's name (a key of ``STRATEGIES``).
         self.data_parallel = data_parallel
         super().__init__(core(optimizer, config, model=model, **options))
+
+    def build(self, factory: Any, *, micro_batches: int = 1, schedule: str = "1f1b",
+              stages: list | None = None) -> HybridShardedModel:
+        """Build the [`HybridShardedModel`][mpishard.nn.hybrid.HybridShardedModel]
+        of ``factory`` over this strategy's configuration in ZeRO-3 shards and
+        attach it (``data_parallel="zero3"`` only): each rank of a data-parallel
+        group allocates and initialises only its shard of its (stage, tensor)
+        slice, bit for bit the shard of the whole construction with the same
+        seed, at any layout; its peak is the shard and about one layer (the
+        stage's gradient is made whole at attach: the pipeline sums its
+        micro-batches there). Collective over ``config.world``.
+
+        ```python
+        config = ShardingConfiguration(tensor_parallel_size=2, pipeline_parallel_size=2)
+        opt = HybridShardedOptimizer(AdamW(lr=3e-4), config, data_parallel="zero3")
+        model = opt.build(partial(GPT, 50257, 1024, 768, 12, 12, dtype=np.float32, seed=1),
+                          micro_batches=4)
+        ```
+
+        Raises:
+            ValueError: ``data_parallel`` is not ``"zero3"`` (on every rank), or
+                as [`HybridShardedModel`][mpishard.nn.hybrid.HybridShardedModel].
+            TypeError: a factory that takes no ``shard=`` (a model that brings its
+                own vector: build the whole ``HybridShardedModel`` and attach it).
+        """
+        if not hasattr(self.core, "parameter_shard_spec"):
+            raise ValueError(f"HybridShardedOptimizer.build builds in ZeRO-3 shards: it needs "
+                             f"data_parallel='zero3', got {self.data_parallel!r} (build the "
+                             f"HybridShardedModel whole and pass model=)")
+        return self.core.build(factory, micro_batches=micro_batches, schedule=schedule,
+                               stages=stages)
