@@ -121,6 +121,8 @@ class GradientReduction:
         if isinstance(self.reducer, OwnedReducer):
             self.reducer.free()
         self.reducer = None
+        if self.bucketed and getattr(self, "model", None) is not None:
+            _hook(self.model, None)     # not called into after the release
 
     def _measured(self, largest: int, dtype: Any, xp: Any, kind: str, ring: bool) -> Reducer:
         """The data group's reduction for buckets of ``largest`` elements: the group,
@@ -194,8 +196,7 @@ class Allreduced(GradientReduction):
         needs_buffer = self.accumulation_steps > 1 and not accumulates
         self._accum = xp.zeros(n, dtype=dtype) if needs_buffer else None
         buckets.vector = self.vector
-        if bucketed:
-            model.set_backward_hooks(buckets)
+        _hook(model, buckets if bucketed else None)
         # Over the data group, in two levels (inside the nodes, then across) or as
         # a ring, whichever measured faster at this size.
         self.reducer = (self.dp if self.config.reproducible else
@@ -385,8 +386,9 @@ class ReducedToShards(GradientReduction):
         if bucketed:
             buckets.allocate(xp, dtype)
             model.bind_gradients(buckets.gradient_views(model.layout))
-            model.set_backward_hooks(buckets)
+            _hook(model, buckets)
         else:
+            _hook(model, None)
             buckets.vector = model.grads
         self._choose(buckets.largest, dtype, xp)
 
@@ -573,3 +575,11 @@ def choose_reduce_method(dp: FlatComm, elements: int, dtype: Any, xp: Any,
     if record is not None:
         record.update(times)
     return min(times, key=lambda m: (times[m], m))
+
+
+def _hook(model: Any, buckets: GradientBuckets | None) -> None:
+    """Point the model's backward hooks at ``buckets`` (None: off), where it has
+    hooks: a rebuild that stops reducing during the backward must not leave them
+    on the old buckets (issue 31). Local."""
+    if isinstance(model, BucketedModel):
+        model.set_backward_hooks(buckets)
