@@ -127,7 +127,10 @@ def _kills(args: argparse.Namespace) -> None:
             rows.append({"kill_to_step": step - kills[k], "recovery": event["seconds"],
                          "shrink": event["shrink_seconds"], "sent_bytes": event["sent_bytes"],
                          "send_seconds": event["state_seconds"],
-                         "world_size": event["world_size"]})
+                         "world_size": event["world_size"],
+                         "detect": event["started"] - kills[k],
+                         "after": step - event["started"] - event["seconds"],
+                         **{f"phase_{n}": v for n, v in event["phases"].items()}})
     if not rows:
         print(json.dumps({"bench": "spares", "model": args.model, "error": "no kill recorded"}))
         return
@@ -145,6 +148,10 @@ def _kills(args: argparse.Namespace) -> None:
         "kill_to_step_p50": pct(0.5), "kill_to_step_p99": pct(0.99), "max": times[-1],
         "recovery_p50": statistics.median(r["recovery"] for r in rows),
         "shrink_p50": statistics.median(r["shrink"] for r in rows),
+        "detect_p50": statistics.median(r["detect"] for r in rows),
+        "first_step_p50": statistics.median(r["after"] for r in rows),
+        "phases_p50": {k[6:]: statistics.median(r.get(k, 0.0) for r in rows)
+                       for k in sorted({k for r in rows for k in r if k.startswith("phase_")})},
         "sent_bytes": sent, "send_seconds_p50": send,
         "implied_MBps": sent / send / 1e6 if send > 0 else None}), flush=True)
 
