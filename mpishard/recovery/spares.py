@@ -47,6 +47,7 @@ from ..exitcodes import EXIT_STOPPED
 from ..flat import Range, shard_ranges
 from ..parallel.options import REDUCE_METHODS
 from ..parallel.overlap import known_decisions, learn_decisions
+from ..parallel.reduction import known_reducers, learn_reducers, recalling_reducers
 from ..protocols import StrategyCore
 from .common import Recovered, StepMarks, error_text
 from .inplace import communicators, recoverable
@@ -159,6 +160,7 @@ def promote_spares(core: StrategyCore, exc: BaseException | None = None, *,
         # it: a newcomer takes it instead of measuring alone.
         info["reduce_method"] = getattr(core.reduction, "method", None)
         info["overlap"] = known_decisions()   # overlap="auto": decided as before
+        info["reducers"] = known_reducers()   # and the reducers measured: not again
     clock.lap("agree")
     job, every = pool.shrink(old.world.rank)
     clock.lap("job_shrink")
@@ -272,6 +274,7 @@ def _send_state(core: StrategyCore, config: ShardingConfiguration, info: dict[st
     t0 = time.perf_counter()
     if core.reduction is None:   # a newcomer decides as the survivors did
         learn_decisions(info["overlap"])
+        learn_reducers(info["reducers"])
         if info["reduce_method"] in REDUCE_METHODS and hasattr(core.options, "reduce_method"):
             core.replace_options(reduce_method=info["reduce_method"])
     if info["names"] is not None:
@@ -315,7 +318,8 @@ def _send_replicated(core: StrategyCore, config: ShardingConfiguration, info: di
     _pieces_to(world, model.params, senders, receivers, "params")
     clock.lap("send")
     old = None if behind else dict(core.state)
-    core.rebuild(config, agreed=True)
+    with recalling_reducers():     # measured before, on the same layout
+        core.rebuild(config, agreed=True)
     clock.lap("rebuild")
     for name in sorted(core.state):
         if old is not None:
@@ -351,8 +355,9 @@ def _move_shards(core: StrategyCore, config: ShardingConfiguration, info: dict[s
         if dp.size > 1:
             dp.Allgatherv(model.params, [len(s) for s in shards], slot="recovery")
     clock.lap("send")
-    core.rebuild(config, shard=None if newcomer or not info["sharded_params"] else shard,
-                 agreed=True)
+    with recalling_reducers():
+        core.rebuild(config, shard=None if newcomer or not info["sharded_params"] else shard,
+                     agreed=True)
     clock.lap("rebuild")
     resplit(dp, pieces, new, dtypes, xp, moved, out=core.state)
     clock.lap("send")
