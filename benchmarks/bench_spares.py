@@ -107,7 +107,8 @@ def _job(args: argparse.Namespace, n: int, extra: list[str]) -> str:
 
 
 def _kills(args: argparse.Namespace) -> None:
-    rows = []
+    rows: list[dict] = []
+    medians: list[float] = []   # each job's median step (rank 0), for scale
     for job in range(args.jobs):
         out = _job(args, args.ranks + args.spares,
                    ["--spares", str(args.spares), "--kills", str(args.spares), "--every",
@@ -115,6 +116,7 @@ def _kills(args: argparse.Namespace) -> None:
                     "--seed", str(job + 1)])
         kills = {int(k): float(t) for k, t in re.findall(r"^KILL (\d+) (\S+)$", out, re.M)}
         steps = [float(t) for t in re.findall(r"^STEP (\S+)$", out, re.M)]
+        medians += [json.loads(m)["median"] for m in re.findall(r"^STEPS (.*)$", out, re.M)]
         try:
             with open(args.metrics) as records:
                 events = [e for e in map(json.loads, records) if e["event"] == "recovered"]
@@ -152,6 +154,7 @@ def _kills(args: argparse.Namespace) -> None:
         "first_step_p50": statistics.median(r["after"] for r in rows),
         "phases_p50": {k[6:]: statistics.median(r.get(k, 0.0) for r in rows)
                        for k in sorted({k for r in rows for k in r if k.startswith("phase_")})},
+        "step_median": statistics.median(medians) if medians else None,
         "sent_bytes": sent, "send_seconds_p50": send,
         "implied_MBps": sent / send / 1e6 if send > 0 else None}), flush=True)
 

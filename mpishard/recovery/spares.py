@@ -8,19 +8,28 @@ die, the survivors ([`promote_spares`][mpishard.recovery.spares.promote_spares])
 1. revoke and shrink the training world (the job's communicator is revoked with
    it: that wakes the spares) and agree, among themselves, on the step they go on
    from and its state, as [`recover_in_place`][mpishard.recovery.recover_in_place]
-   does (replicated state: the lowest survivor at the newest step; sharded state:
-   put together from their shards and the buddy copies);
+   does (replicated state: the survivors at the newest step; sharded state: each
+   survivor's own shard and the buddy copies of the lost ones, nothing whole);
 2. shrink the job's communicator with the spares alive and gather who is who; the
-   lowest survivor sends what was agreed;
+   lowest survivor sends what was agreed (a few small values);
 3. *take seats*: the ``i``-th lost training rank's place goes to the ``i``-th
    spare alive (in rank order); the new training world is split from the job's
    communicator with each rank's old training rank (a spare: the lost one's) as
    key, so every rank keeps its place and every group is rebuilt at the same size
    with the same layout and rank order;
 4. build the configuration over it (the same options), send the newcomers the
-   parameters and the optimizer state (a ``Bcast`` from that survivor; sharded
-   state whole, each rank keeping its shard), rebuild the core on every rank and
-   set the step count, skipped steps and data position of the agreed step.
+   parameters and the optimizer state point to point (replicated: each vector in
+   pieces, one from every survivor at once; sharded: only the lost shards, from
+   the buddy copies, by [`resplit`][mpishard.recovery.resplit.resplit]'s moves,
+   and ZeRO-2's whole parameters by its ``Allgatherv``), rebuild the core on every
+   rank without measuring again what was measured (the reducer, the overlap
+   decision), and set the step count, skipped steps and data position.
+
+Each ``Promoted`` event carries the seconds of each part on its rank
+(``phases``: ``shrink``, ``agree``, ``job_shrink``, ``info``, ``split``,
+``groups``, ``send``, ``rebuild``) and when it started (``started``,
+``time.time()``), for ``benchmarks/bench_spares.py``. A spare serves every
+``optimize()`` call of the script: a release ends one call, not its waiting.
 
 The run then trains exactly the steps of the run that lost nothing, on the same
 layout. Fewer spares than lost ranks: every spare is promoted and the data-parallel
@@ -65,7 +74,9 @@ class Promoted(Recovered):
     """A recovery that promoted spares: the ``recovered`` record, ``"from": "spares"``,
     and ``promoted`` (the ``MPI.COMM_WORLD`` ranks of the spares, in the order of
     ``lost_ranks`` whose places they took), ``spares_left``, ``sent_bytes`` (what
-    each newcomer received) and ``state_seconds`` (the send)."""
+    the newcomers received, together), ``state_seconds`` (the send and the
+    rebuild), ``phases`` (seconds by part, on this rank) and ``started``
+    (``time.time()`` at its start)."""
 
     promoted: list[int] = field(default_factory=list)
     spares_left: int = 0
@@ -308,7 +319,7 @@ def _send_replicated(core: StrategyCore, config: ShardingConfiguration, info: di
                      clock: _Clock) -> int:
     """Replicated state (DDP): the newcomers and any survivor behind the agreed
     step receive the parameters and the optimizer state from the survivors at it
-    ([`_pieces_to`][mpishard.recovery.spares._pieces_to]). Collective over
+    (``_pieces_to``). Collective over
     ``config.world``."""
     world, model = config.world, core.model
     behind = core.reduction is None or core.step_count != info["step"]

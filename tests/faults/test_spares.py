@@ -13,7 +13,8 @@ steps, or inside the backward: the survivors then wait in the gradient
 reduction). The spare takes the lost rank's place and state; the final
 parameters must equal the first run's (float64, rtol 1e-12; bit for bit with
 ``reproducible=True``), and so must every step's loss (the same samples in the
-same batches: none skipped, none twice).
+same batches: none skipped, none twice). One test trains with two ``optimize()``
+calls of the same optimizer: the spare released by the first serves the second.
 """
 
 from __future__ import annotations
