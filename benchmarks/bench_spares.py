@@ -79,6 +79,11 @@ def worker(args: argparse.Namespace) -> None:
                           callback=callback, max_steps=steps, metrics_path=args.metrics,
                           log_every=10**6)
     pool = opt.config.spare_pool
+    if args.phases:   # every rank's view of each recovery
+        for rec in result.recoveries:
+            print(f"PHASES {opt.config.world.rank} {result.spare} "
+                  + json.dumps({k: round(v, 3) for k, v in rec.get("phases", {}).items()}),
+                  flush=True)
     if result.spare == "unused" and pool is not None:
         print("SPARE " + json.dumps({"waited": pool.waited, "cpu": pool.cpu_seconds}),
               flush=True)
@@ -96,7 +101,7 @@ def _job(args: argparse.Namespace, n: int, extra: list[str]) -> str:
     cmd = [str(mpirun), "--with-ft", "ulfm", "--mca", "coll", "^han", "--oversubscribe",
            "-n", str(n), sys.executable, __file__, "--worker", "--model", args.model,
            "--ranks", str(args.ranks), "--strategy", args.strategy, "--metrics",
-           args.metrics, *extra]
+           args.metrics, *(["--phases"] if args.phases else []), *extra]
     # scripts/mpienv.sh's settings (root allowed, yield when idle, no fast network).
     env = dict(os.environ, PYTHONPATH=str(REPO), OMPI_MCA_mpi_yield_when_idle="1",
                OMPI_MCA_btl="self,vader,tcp")
@@ -122,6 +127,8 @@ def _kills(args: argparse.Namespace) -> None:
                 events = [e for e in map(json.loads, records) if e["event"] == "recovered"]
         except FileNotFoundError:
             events = []
+        for line in re.findall(r"^PHASES .*$", out, re.M):
+            print(line, file=sys.stderr)
         if not len(steps) == len(kills) == len(events):
             print(f"job {job}: {len(kills)} kills, {len(steps)} steps after, {len(events)} "
                   f"recoveries:\n{out[-3000:]}", file=sys.stderr)
@@ -200,6 +207,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--skip", choices=("kills", "steps"), default=None)
+    parser.add_argument("--phases", action="store_true",
+                        help="print every rank's seconds per part of each recovery")
     parser.add_argument("--metrics", default=os.path.join(
         tempfile.gettempdir(), f"bench-spares-{os.getpid()}.jsonl"), help=argparse.SUPPRESS)
     args = parser.parse_args()
