@@ -12,8 +12,13 @@ Then ``--steps-only`` jobs time the step with the spares waiting and without
 spares (``-n RANKS``), alternated, and the waiting spares' CPU use (their process
 time over their wall time, from [`SparePool`][mpishard.comm.spares.SparePool]).
 
-Prints JSON lines: one ``kills`` summary per model (p50, p99 and max over every kill,
-sent bytes, implied bandwidth), one ``step_cost`` per model. Run (the fault-tolerant
+Prints JSON lines: one ``kills`` summary per model (p50, p99 and max over every kill;
+the detection, from the kill to the start of the recovery on the reporting rank,
+which counts the survivors' compute up to their next MPI call; the first step
+after it; the median of each part of the recovery; sent bytes, implied
+bandwidth; the median step), one ``step_cost`` per model. ``--detect`` times
+only Open MPI's notice of a death (``--jobs`` jobs of ``--ranks`` ranks, the
+last one SIGKILLed, the others testing a request every ``--nap`` seconds). Run (the fault-tolerant
 runtime): ``.venv-ft/bin/python benchmarks/bench_spares.py --ranks 8 --spares 4
 --jobs 5 --model small``.
 """
@@ -92,6 +97,45 @@ def worker(args: argparse.Namespace) -> None:
         print("STEPS " + json.dumps({"median": gaps[len(gaps) // 2], "steps": len(gaps)}),
               flush=True)
     ulfm.exit_now(0)
+
+
+def detect_worker(args: argparse.Namespace) -> None:
+    """``--detect``'s job: the last rank SIGKILLs itself, the others wait in an
+    ``Iallreduce`` tested every ``--nap`` seconds; each prints the seconds from
+    the kill to its error (Open MPI's notice of the death: no compute between)."""
+    import signal
+
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    stamp = Path(args.metrics + ".kill")
+    comm.Barrier()
+    if comm.rank == comm.size - 1:
+        time.sleep(0.3)
+        stamp.write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    request = comm.Iallreduce(MPI.IN_PLACE, np.zeros(1))
+    try:
+        while not request.Test():
+            time.sleep(args.nap)
+    except MPI.Exception:
+        print(f"DETECT {time.time() - float(stamp.read_text())}", flush=True)
+    os._exit(0)
+
+
+def _detect(args: argparse.Namespace) -> None:
+    seconds = []
+    for _ in range(args.jobs):
+        out = _job(args, args.ranks, ["--detect-worker", "--nap", str(args.nap)])
+        seconds += [float(t) for t in re.findall(r"^DETECT (\S+)$", out, re.M)]
+    seconds.sort()
+    print(json.dumps({"bench": "spares", "what": "detect", "ranks": args.ranks,
+                      "jobs": args.jobs, "nap": args.nap, "notices": len(seconds),
+                      "p50": statistics.median(seconds) if seconds else None,
+                      "p99": seconds[min(len(seconds) - 1, round(0.99 * (len(seconds) - 1)))]
+                      if seconds else None, "max": max(seconds, default=None)}), flush=True)
 
 
 def _job(args: argparse.Namespace, n: int, extra: list[str]) -> str:
@@ -207,13 +251,24 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--skip", choices=("kills", "steps"), default=None)
+    parser.add_argument("--detect", action="store_true",
+                        help="only time how soon the others notice a killed rank")
+    parser.add_argument("--detect-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--nap", type=float, default=0.0,
+                        help="--detect: seconds slept between two tests of the request")
     parser.add_argument("--phases", action="store_true",
                         help="print every rank's seconds per part of each recovery")
     parser.add_argument("--metrics", default=os.path.join(
         tempfile.gettempdir(), f"bench-spares-{os.getpid()}.jsonl"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.detect_worker:
+        detect_worker(args)
+        return
     if args.worker:
         worker(args)
+        return
+    if args.detect:
+        _detect(args)
         return
     if args.skip != "kills":
         _kills(args)
