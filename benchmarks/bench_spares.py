@@ -12,8 +12,13 @@ Then ``--steps-only`` jobs time the step with the spares waiting and without
 spares (``-n RANKS``), alternated, and the waiting spares' CPU use (their process
 time over their wall time, from [`SparePool`][mpishard.comm.spares.SparePool]).
 
-Prints JSON lines: one ``kills`` summary per model (p50, p99 and max over every kill,
-sent bytes, implied bandwidth), one ``step_cost`` per model. Run (the fault-tolerant
+Prints JSON lines: one ``kills`` summary per model (p50, p99 and max over every kill;
+the detection, from the kill to the start of the recovery on the reporting rank,
+which counts the survivors' compute up to their next MPI call; the first step
+after it; the median of each part of the recovery; sent bytes, implied
+bandwidth; the median step), one ``step_cost`` per model. ``--detect`` times
+only Open MPI's notice of a death (``--jobs`` jobs of ``--ranks`` ranks, the
+last one SIGKILLed, the others testing a request every ``--nap`` seconds). Run (the fault-tolerant
 runtime): ``.venv-ft/bin/python benchmarks/bench_spares.py --ranks 8 --spares 4
 --jobs 5 --model small``.
 """
@@ -79,6 +84,11 @@ def worker(args: argparse.Namespace) -> None:
                           callback=callback, max_steps=steps, metrics_path=args.metrics,
                           log_every=10**6)
     pool = opt.config.spare_pool
+    if args.phases:   # every rank's view of each recovery
+        for rec in result.recoveries:
+            print(f"PHASES {opt.config.world.rank} {result.spare} "
+                  + json.dumps({k: round(v, 3) for k, v in rec.get("phases", {}).items()}),
+                  flush=True)
     if result.spare == "unused" and pool is not None:
         print("SPARE " + json.dumps({"waited": pool.waited, "cpu": pool.cpu_seconds}),
               flush=True)
@@ -89,6 +99,45 @@ def worker(args: argparse.Namespace) -> None:
     ulfm.exit_now(0)
 
 
+def detect_worker(args: argparse.Namespace) -> None:
+    """``--detect``'s job: the last rank SIGKILLs itself, the others wait in an
+    ``Iallreduce`` tested every ``--nap`` seconds; each prints the seconds from
+    the kill to its error (Open MPI's notice of the death: no compute between)."""
+    import signal
+
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    stamp = Path(args.metrics + ".kill")
+    comm.Barrier()
+    if comm.rank == comm.size - 1:
+        time.sleep(0.3)
+        stamp.write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    request = comm.Iallreduce(MPI.IN_PLACE, np.zeros(1))
+    try:
+        while not request.Test():
+            time.sleep(args.nap)
+    except MPI.Exception:
+        print(f"DETECT {time.time() - float(stamp.read_text())}", flush=True)
+    os._exit(0)
+
+
+def _detect(args: argparse.Namespace) -> None:
+    seconds = []
+    for _ in range(args.jobs):
+        out = _job(args, args.ranks, ["--detect-worker", "--nap", str(args.nap)])
+        seconds += [float(t) for t in re.findall(r"^DETECT (\S+)$", out, re.M)]
+    seconds.sort()
+    print(json.dumps({"bench": "spares", "what": "detect", "ranks": args.ranks,
+                      "jobs": args.jobs, "nap": args.nap, "notices": len(seconds),
+                      "p50": statistics.median(seconds) if seconds else None,
+                      "p99": seconds[min(len(seconds) - 1, round(0.99 * (len(seconds) - 1)))]
+                      if seconds else None, "max": max(seconds, default=None)}), flush=True)
+
+
 def _job(args: argparse.Namespace, n: int, extra: list[str]) -> str:
     mpirun = Path(sys.executable).parent / "mpirun"
     if os.path.exists(args.metrics):
@@ -96,7 +145,7 @@ def _job(args: argparse.Namespace, n: int, extra: list[str]) -> str:
     cmd = [str(mpirun), "--with-ft", "ulfm", "--mca", "coll", "^han", "--oversubscribe",
            "-n", str(n), sys.executable, __file__, "--worker", "--model", args.model,
            "--ranks", str(args.ranks), "--strategy", args.strategy, "--metrics",
-           args.metrics, *extra]
+           args.metrics, *(["--phases"] if args.phases else []), *extra]
     # scripts/mpienv.sh's settings (root allowed, yield when idle, no fast network).
     env = dict(os.environ, PYTHONPATH=str(REPO), OMPI_MCA_mpi_yield_when_idle="1",
                OMPI_MCA_btl="self,vader,tcp")
@@ -107,7 +156,8 @@ def _job(args: argparse.Namespace, n: int, extra: list[str]) -> str:
 
 
 def _kills(args: argparse.Namespace) -> None:
-    rows = []
+    rows: list[dict] = []
+    medians: list[float] = []   # each job's median step (rank 0), for scale
     for job in range(args.jobs):
         out = _job(args, args.ranks + args.spares,
                    ["--spares", str(args.spares), "--kills", str(args.spares), "--every",
@@ -115,11 +165,14 @@ def _kills(args: argparse.Namespace) -> None:
                     "--seed", str(job + 1)])
         kills = {int(k): float(t) for k, t in re.findall(r"^KILL (\d+) (\S+)$", out, re.M)}
         steps = [float(t) for t in re.findall(r"^STEP (\S+)$", out, re.M)]
+        medians += [json.loads(m)["median"] for m in re.findall(r"^STEPS (.*)$", out, re.M)]
         try:
             with open(args.metrics) as records:
                 events = [e for e in map(json.loads, records) if e["event"] == "recovered"]
         except FileNotFoundError:
             events = []
+        for line in re.findall(r"^PHASES .*$", out, re.M):
+            print(line, file=sys.stderr)
         if not len(steps) == len(kills) == len(events):
             print(f"job {job}: {len(kills)} kills, {len(steps)} steps after, {len(events)} "
                   f"recoveries:\n{out[-3000:]}", file=sys.stderr)
@@ -127,7 +180,10 @@ def _kills(args: argparse.Namespace) -> None:
             rows.append({"kill_to_step": step - kills[k], "recovery": event["seconds"],
                          "shrink": event["shrink_seconds"], "sent_bytes": event["sent_bytes"],
                          "send_seconds": event["state_seconds"],
-                         "world_size": event["world_size"]})
+                         "world_size": event["world_size"],
+                         "detect": event["started"] - kills[k],
+                         "after": step - event["started"] - event["seconds"],
+                         **{f"phase_{n}": v for n, v in event["phases"].items()}})
     if not rows:
         print(json.dumps({"bench": "spares", "model": args.model, "error": "no kill recorded"}))
         return
@@ -145,6 +201,11 @@ def _kills(args: argparse.Namespace) -> None:
         "kill_to_step_p50": pct(0.5), "kill_to_step_p99": pct(0.99), "max": times[-1],
         "recovery_p50": statistics.median(r["recovery"] for r in rows),
         "shrink_p50": statistics.median(r["shrink"] for r in rows),
+        "detect_p50": statistics.median(r["detect"] for r in rows),
+        "first_step_p50": statistics.median(r["after"] for r in rows),
+        "phases_p50": {k[6:]: statistics.median(r.get(k, 0.0) for r in rows)
+                       for k in sorted({k for r in rows for k in r if k.startswith("phase_")})},
+        "step_median": statistics.median(medians) if medians else None,
         "sent_bytes": sent, "send_seconds_p50": send,
         "implied_MBps": sent / send / 1e6 if send > 0 else None}), flush=True)
 
@@ -190,11 +251,24 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--skip", choices=("kills", "steps"), default=None)
+    parser.add_argument("--detect", action="store_true",
+                        help="only time how soon the others notice a killed rank")
+    parser.add_argument("--detect-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--nap", type=float, default=0.0,
+                        help="--detect: seconds slept between two tests of the request")
+    parser.add_argument("--phases", action="store_true",
+                        help="print every rank's seconds per part of each recovery")
     parser.add_argument("--metrics", default=os.path.join(
         tempfile.gettempdir(), f"bench-spares-{os.getpid()}.jsonl"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.detect_worker:
+        detect_worker(args)
+        return
     if args.worker:
         worker(args)
+        return
+    if args.detect:
+        _detect(args)
         return
     if args.skip != "kills":
         _kills(args)

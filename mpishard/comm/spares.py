@@ -10,8 +10,9 @@ errors returned), and says which of its ranks are spares still waiting.
 doubling up to ``poll``, 10 ms): Open MPI's blocking calls spin a core, a test
 every 10 ms costs well under 1 % of one. It is woken
 
-* by a *release* (the message arrives: training ended, the spare was never
-  used; [`release`][mpishard.comm.spares.SparePool.release]), or
+* by a *release* (the message arrives: the ``optimize()`` call ended without
+  needing it; [`release`][mpishard.comm.spares.SparePool.release]; it stays a
+  spare, for the script's next call), or
 * by a failure: the survivors of a lost training rank revoke ``job`` with the
   training groups ([`mpishard.comm.ulfm.recover`][mpishard.comm.ulfm.recover]'s
   ``also``), so the pending receive fails with ``ERR_REVOKED`` (or the sender
@@ -111,10 +112,12 @@ class SparePool:
             self.cpu_seconds += time.process_time() - c0
 
     def release(self) -> None:
-        """Tell every waiting spare that training ended (each one's ``wait`` returns
-        ``"release"``); the pool is empty after it. The ``sender`` sends, a send to
-        a dead spare fails quietly. Point-to-point on ``job`` (every training rank
-        calls it: the others only forget the spares)."""
+        """Tell every waiting spare that this ``optimize()`` call ended (each one's
+        ``wait`` returns ``"release"``). The spares stay spares: the next call of
+        the same script (every rank runs it) waits again, and a loss there
+        promotes them. The ``sender`` sends, a send to a dead spare fails
+        quietly. Point-to-point on ``job`` (every training rank calls it: only
+        the ``sender`` sends)."""
         if self.job.rank == self.sender and self.job.comm != MPI.COMM_NULL:
             flag = np.ones(1, dtype=np.int64)
             requests = []
@@ -128,7 +131,6 @@ class SparePool:
                     request.Wait()
                 except MPI.Exception:
                     pass          # that spare died while it waited
-        self.spares = []
 
     def shrink(self, mine: int) -> tuple[FlatComm, list[int]]:
         """Revoke ``job``, shrink it to the ranks alive and gather one integer

@@ -67,14 +67,17 @@ class RecoveryAnswers:
         ``groups.dp``; sharded parameters are sharded again by ``rebuild``. Local."""
         self.placement = self.placement.unshard(params)
 
-    def rebuild(self, config: ShardingConfiguration, shard: Any = None) -> None:
+    def rebuild(self, config: ShardingConfiguration, shard: Any = None, *,
+                agreed: bool = False) -> None:
         """Set this core up again over ``config``'s groups (after a lost rank: the
         survivors'), keeping the optimizer, every option and the attached model.
         A model whose parameters are gathered before use stays sharded where
         ``shard`` is given (this rank's shard under ``config``, the old gathers
         dropped: nothing whole), else it gets its whole vector back first
         (gathered over the old ``groups.dp``: unshard it with the values where
-        that group is broken). The optimizer state starts from zero (the caller
+        that group is broken). ``agreed``: every rank holds the parameters to go
+        on with already (a promotion sent them): not broadcast from rank 0 again.
+        The optimizer state starts from zero (the caller
         puts it back), the step count and data position stay. Collective over
         ``config.world`` (and, without ``shard``, the old ``groups.dp``)."""
         model = self.model
@@ -88,7 +91,7 @@ class RecoveryAnswers:
         self._over(config)
         self.model = None
         if model is not None:
-            self._attach(model, shard if model.params is None else None)
+            self._attach(model, shard if model.params is None else None, agreed=agreed)
         self.memory_phases.leave(opened)
 
     def _release(self) -> None:

@@ -169,10 +169,10 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
             return
         self._attach(model, None)
 
-    def _attach(self, model: Model, shard: Any) -> None:
+    def _attach(self, model: Model, shard: Any, agreed: bool = False) -> None:
         """``attach``; a model gathered before use whose ``params`` is None keeps
         ``shard`` (this rank's shard, ``rebuild``'s after a recovery): nothing is
-        whole."""
+        whole. ``agreed``: the ranks hold the same parameters (no ``Bcast``)."""
         started = time.perf_counter()
         built = built_shard_of(model)   # (range, values): built in shards, nothing whole
         if shard is not None:           # a recovery's: this rank's shard under config
@@ -196,7 +196,7 @@ class DataParallelCore(OptionsHome, Progress, PartReads, Accounting, RecoveryAns
         self.bucketed = reduction.bucketed
         #: The gradient bucket size in elements (``bucket_mb`` resolved).
         self.bucket_elements = reduction.bucket_elements
-        if built is None:   # built in shards: every rank's shard is the seed's already
+        if built is None and not agreed:   # built in shards: the seed's already
             self.dp.Bcast(model.params, root=0)
         # A reduction whose buckets are slots binds the model's gradient to them.
         binds = self.bucketed and reduction.slots > 0

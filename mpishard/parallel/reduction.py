@@ -21,13 +21,15 @@ for a recovery; it holds no state that outlives a step.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from ..comm import FlatComm, Handle
 from ..comm.buckets import GradientBuckets
+from ..comm.hierarchical import HierarchicalComm
 from ..comm.hierarchical import choose as choose_reduction
 from ..comm.reducer import OwnedReducer, Reducer
 from ..comm.ring import RING_MIN_ELEMENTS, RingComm
@@ -42,7 +44,38 @@ from .reproexchange import WordShards
 from .totals import StepTotals
 
 __all__ = ["REDUCE_METHODS", "Allreduced", "GradientReduction", "ReducedToShards",
-           "choose_reduce_method"]
+           "choose_reduce_method", "known_reducers", "learn_reducers",
+           "recalling_reducers"]
+
+#: The reducer each layout measured fastest in this process (its ``choose``
+#: record: ``"choice"``, the times), by layout key: a rebuild over the same
+#: layout within ``recalling_reducers`` takes it without measuring again.
+_CHOSEN: dict[str, dict[str, Any]] = {}
+_RECALL = [False]
+
+
+@contextmanager
+def recalling_reducers() -> Iterator[None]:
+    """Within it, an attach (a rebuild on every rank of the job: a promotion)
+    takes the reducer this process measured before for the same layout, where
+    every rank of the training group knows it, instead of measuring again
+    (seconds at 25M parameters). Local."""
+    _RECALL[0] = True
+    try:
+        yield
+    finally:
+        _RECALL[0] = False
+
+
+def known_reducers() -> dict[str, dict[str, Any]]:
+    """This process's measured reducer choices, by layout (to give a newcomer: a
+    promoted spare reduces as the survivors, who remember theirs). Local."""
+    return dict(_CHOSEN)
+
+
+def learn_reducers(choices: dict[str, dict[str, Any]]) -> None:
+    """Take ``choices`` (another process's ``known_reducers``) as this process's. Local."""
+    _CHOSEN.update(choices)
 
 
 #: ``run(accumulate) -> loss``: the model's forward and backward on the
@@ -121,6 +154,8 @@ class GradientReduction:
         if isinstance(self.reducer, OwnedReducer):
             self.reducer.free()
         self.reducer = None
+        if self.bucketed and getattr(self, "model", None) is not None:
+            _hook(self.model, None)     # not called into after the release
 
     def _measured(self, largest: int, dtype: Any, xp: Any, kind: str, ring: bool) -> Reducer:
         """The data group's reduction for buckets of ``largest`` elements: the group,
@@ -135,10 +170,23 @@ class GradientReduction:
         whole = groups.dp.size == groups.world.size
         if whole and not largest:
             return self.dp
-        return choose_reduction(self.dp, largest, dtype, xp, kind=kind,
-                                blocking=not self.bucketed, nodes=groups.nodes,
-                                record=self.timings, ring=ring and whole,
-                                agree=None if whole else groups.world)
+        nodes = groups.nodes
+        key = repr((self.dp.size, groups.world.size, largest, np.dtype(dtype).str,
+                    xp.__name__, kind, not self.bucketed, ring and whole,
+                    None if nodes is None else nodes.nodes))
+        known = _CHOSEN.get(key)
+        # A rebuild on the same layout (a promotion: recalling_reducers) takes the
+        # choice measured before, if every rank knows it (a newcomer learnt it).
+        if _RECALL[0] and groups.world.allreduce(known is not None, op="land"):
+            self.timings.update(known, source="recalled")
+            return _reducer(known["choice"], self.dp)
+        reducer = choose_reduction(self.dp, largest, dtype, xp, kind=kind,
+                                   blocking=not self.bucketed, nodes=nodes,
+                                   record=self.timings, ring=ring and whole,
+                                   agree=None if whole else groups.world)
+        _CHOSEN[key] = {k: v for k, v in self.timings.items()
+                        if k in ("choice", "flat", "hierarchical", "ring", "levels")}
+        return reducer
 
     def repro_source(self, model: Any) -> Any:
         """Where one reproducible unit's gradient is, to deposit."""
@@ -194,8 +242,7 @@ class Allreduced(GradientReduction):
         needs_buffer = self.accumulation_steps > 1 and not accumulates
         self._accum = xp.zeros(n, dtype=dtype) if needs_buffer else None
         buckets.vector = self.vector
-        if bucketed:
-            model.set_backward_hooks(buckets)
+        _hook(model, buckets if bucketed else None)
         # Over the data group, in two levels (inside the nodes, then across) or as
         # a ring, whichever measured faster at this size.
         self.reducer = (self.dp if self.config.reproducible else
@@ -385,8 +432,9 @@ class ReducedToShards(GradientReduction):
         if bucketed:
             buckets.allocate(xp, dtype)
             model.bind_gradients(buckets.gradient_views(model.layout))
-            model.set_backward_hooks(buckets)
+            _hook(model, buckets)
         else:
+            _hook(model, None)
             buckets.vector = model.grads
         self._choose(buckets.largest, dtype, xp)
 
@@ -573,3 +621,21 @@ def choose_reduce_method(dp: FlatComm, elements: int, dtype: Any, xp: Any,
     if record is not None:
         record.update(times)
     return min(times, key=lambda m: (times[m], m))
+
+
+def _hook(model: Any, buckets: GradientBuckets | None) -> None:
+    """Point the model's backward hooks at ``buckets`` (None: off), where it has
+    hooks: a rebuild that stops reducing during the backward must not leave them
+    on the old buckets (issue 31). Local."""
+    if isinstance(model, BucketedModel):
+        model.set_backward_hooks(buckets)
+
+
+def _reducer(choice: str, group: FlatComm) -> Reducer:
+    """The reducer ``choice`` names over ``group`` (as
+    [`choose`][mpishard.comm.hierarchical.choose] builds it). Collective over ``group``."""
+    if choice == "ring":
+        return RingComm(group)
+    if choice == "hierarchical":
+        return HierarchicalComm(group)
+    return group

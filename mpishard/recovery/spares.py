@@ -8,19 +8,28 @@ die, the survivors ([`promote_spares`][mpishard.recovery.spares.promote_spares])
 1. revoke and shrink the training world (the job's communicator is revoked with
    it: that wakes the spares) and agree, among themselves, on the step they go on
    from and its state, as [`recover_in_place`][mpishard.recovery.recover_in_place]
-   does (replicated state: the lowest survivor at the newest step; sharded state:
-   put together from their shards and the buddy copies);
+   does (replicated state: the survivors at the newest step; sharded state: each
+   survivor's own shard and the buddy copies of the lost ones, nothing whole);
 2. shrink the job's communicator with the spares alive and gather who is who; the
-   lowest survivor sends what was agreed;
+   lowest survivor sends what was agreed (a few small values);
 3. *take seats*: the ``i``-th lost training rank's place goes to the ``i``-th
    spare alive (in rank order); the new training world is split from the job's
    communicator with each rank's old training rank (a spare: the lost one's) as
    key, so every rank keeps its place and every group is rebuilt at the same size
    with the same layout and rank order;
 4. build the configuration over it (the same options), send the newcomers the
-   parameters and the optimizer state (a ``Bcast`` from that survivor; sharded
-   state whole, each rank keeping its shard), rebuild the core on every rank and
-   set the step count, skipped steps and data position of the agreed step.
+   parameters and the optimizer state point to point (replicated: each vector in
+   pieces, one from every survivor at once; sharded: only the lost shards, from
+   the buddy copies, by [`resplit`][mpishard.recovery.resplit.resplit]'s moves,
+   and ZeRO-2's whole parameters by its ``Allgatherv``), rebuild the core on every
+   rank without measuring again what was measured (the reducer, the overlap
+   decision), and set the step count, skipped steps and data position.
+
+Each ``Promoted`` event carries the seconds of each part on its rank
+(``phases``: ``shrink``, ``agree``, ``job_shrink``, ``info``, ``split``,
+``groups``, ``send``, ``rebuild``) and when it started (``started``,
+``time.time()``), for ``benchmarks/bench_spares.py``. A spare serves every
+``optimize()`` call of the script: a release ends one call, not its waiting.
 
 The run then trains exactly the steps of the run that lost nothing, on the same
 layout. Fewer spares than lost ranks: every spare is promoted and the data-parallel
@@ -38,19 +47,26 @@ from typing import Any
 
 import numpy as np
 
+from ..backend import array_namespace
 from ..comm import FlatComm, ulfm
 from ..comm.spares import SparePool
 from ..config import ShardingConfiguration
 from ..errors import HandOver
 from ..exitcodes import EXIT_STOPPED
+from ..flat import Range, shard_ranges
 from ..parallel.options import REDUCE_METHODS
 from ..parallel.overlap import known_decisions, learn_decisions
+from ..parallel.reduction import known_reducers, learn_reducers, recalling_reducers
 from ..protocols import StrategyCore
-from .common import Recovered, StepMarks, error_text, put_state
+from .common import Recovered, StepMarks, error_text
 from .inplace import communicators, recoverable
-from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
+from .resplit import Moved, resplit
+from .shardcopy import ShardBuddy, sharded_pieces, zero2_candidates
 
 __all__ = ["Promoted", "promote_spares", "seats", "wait_as_spare"]
+
+#: The tag of the state's point-to-point messages to the newcomers.
+_STATE_TAG = 0x5351
 
 
 @dataclass
@@ -58,18 +74,38 @@ class Promoted(Recovered):
     """A recovery that promoted spares: the ``recovered`` record, ``"from": "spares"``,
     and ``promoted`` (the ``MPI.COMM_WORLD`` ranks of the spares, in the order of
     ``lost_ranks`` whose places they took), ``spares_left``, ``sent_bytes`` (what
-    each newcomer received) and ``state_seconds`` (the send)."""
+    the newcomers received, together), ``state_seconds`` (the send and the
+    rebuild), ``phases`` (seconds by part, on this rank) and ``started``
+    (``time.time()`` at its start)."""
 
     promoted: list[int] = field(default_factory=list)
     spares_left: int = 0
     sent_bytes: int = 0
     state_seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+    started: float = 0.0
 
     def record(self) -> dict[str, Any]:
         out = super().record()
         out.update(promoted=self.promoted, spares_left=self.spares_left,
-                   sent_bytes=self.sent_bytes, state_seconds=self.state_seconds)
+                   sent_bytes=self.sent_bytes, state_seconds=self.state_seconds,
+                   phases=self.phases, started=self.started)
         return out
+
+
+class _Clock:
+    """The seconds of each part of a promotion on this rank (``phases``), and when
+    it started (``time.time()``, to set against the kill's). Local."""
+
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.last
+        self.last = now
 
 
 def seats(every: list[int], size: int) -> tuple[list[int], dict[int, int]]:
@@ -101,21 +137,21 @@ def promote_spares(core: StrategyCore, exc: BaseException | None = None, *,
     if exc is not None and not ulfm.is_failure(exc):
         raise exc
     t0 = time.perf_counter()
+    clock = _Clock()
     old = core.config
     pool = old.spare_pool
     rec = ulfm.recover(old.groups.world, core.step_count,
                        also=[*communicators(core), pool.job])
+    clock.lap("shrink")
     problem = recoverable(core) or (
         "spares take the place of a data-parallel rank only (a tensor or pipeline "
         "layout is not supported yet)" if core.drops_replicas else None)
-    step, full = rec.step, None
+    step, pieces = rec.step, None
     if problem is None and core.placement.recovery == "sharded":
         found = zero2_candidates(core, buddy, rec.world)
-        if found:
+        if found:   # each survivor's own shard and the lost ones' copies, nothing whole
             step = max(found)
-            params, state = zero2_rebuild(core, buddy, rec.world, step)
-            core.whole_parameters(params)
-            full = {"params": params, **state}
+            pieces = sharded_pieces(core, buddy, rec.world, step)
         else:
             problem = ("the optimizer-state shard of a lost rank is gone (no buddy copy): "
                        "restart from a checkpoint")
@@ -128,16 +164,21 @@ def promote_spares(core: StrategyCore, exc: BaseException | None = None, *,
         info["skipped"], info["position"] = marks.agreed(
             rec.world, core, step, rec.world.allgather(core.step_count), rec.source)
         info["source"] = rec.world.bcast(old.world.rank, root=rec.source)
-        info["names"] = ([(k, v.dtype.str) for k, v in full.items()] if full is not None
-                         else None)
+        info["names"] = ([(k, v.dtype.str) for k, v in pieces[0][1].items()]
+                         if pieces is not None else None)
+        info["sharded_params"] = core.model.params is None    # ZeRO-3's
         # reduce_method="auto" was measured at the first attach, and a rebuild keeps
         # it: a newcomer takes it instead of measuring alone.
         info["reduce_method"] = getattr(core.reduction, "method", None)
         info["overlap"] = known_decisions()   # overlap="auto": decided as before
+        info["reducers"] = known_reducers()   # and the reducers measured: not again
+    clock.lap("agree")
     job, every = pool.shrink(old.world.rank)
+    clock.lap("job_shrink")
     info = job.bcast(info, root=_first_trainer(every))
+    clock.lap("info")
     rec.world.free()
-    event = _take_seats(core, old, pool, job, every, info, t0, full)
+    event = _take_seats(core, old, pool, job, every, info, t0, pieces, clock)
     assert event is not None   # a training rank always has a seat
     return core, event
 
@@ -159,12 +200,15 @@ def wait_as_spare(core: StrategyCore, model: Any) -> Promoted | None:
         if pool.wait() == "release":
             return None
         t0 = time.perf_counter()
+        clock = _Clock()
         job, every = pool.shrink(-1)
+        clock.lap("job_shrink")
         if all(r < 0 for r in every):
             raise HandOver("spare rank woken, but every training rank is gone",
                            exit_code=EXIT_STOPPED, speaker=job.rank == 0)
         info = job.bcast(None, root=_first_trainer(every))
-        event = _take_seats(core, config, pool, job, every, info, t0, None)
+        clock.lap("info")
+        event = _take_seats(core, config, pool, job, every, info, t0, None, clock)
         if event is not None:
             return event
 
@@ -176,9 +220,11 @@ def _first_trainer(every: list[int]) -> int:
 
 def _take_seats(core: StrategyCore, template: ShardingConfiguration, pool: SparePool,
                 job: FlatComm, every: list[int], info: dict[str, Any], t0: float,
-                full: dict[str, Any] | None) -> Promoted | None:
+                pieces: list[tuple[Range, dict[str, Any]]] | None,
+                clock: _Clock) -> Promoted | None:
     """Step 3-4 of the module docstring on every rank of ``job``; None on a spare
-    left waiting (``pool`` over ``job`` now). Collective over ``job``."""
+    left waiting (``pool`` over ``job`` now). ``pieces``: what a survivor holds
+    of sharded state (``sharded_pieces``). Collective over ``job``."""
     lost, seated = seats(every, info["size"])
     mine = every[job.rank] if every[job.rank] >= 0 else seated.get(job.rank)
     speaker = job.rank == _first_trainer(every)
@@ -192,6 +238,7 @@ def _take_seats(core: StrategyCore, template: ShardingConfiguration, pool: Spare
     if mine is None:       # not needed this time: wait again
         child.free()
         return None
+    clock.lap("split")
     world_ranks = job.world_ranks()
     promoted = [world_ranks[j] for j in seated]
     config = None
@@ -203,7 +250,8 @@ def _take_seats(core: StrategyCore, template: ShardingConfiguration, pool: Spare
         groups = config.groups
         ulfm.enable([groups.world, groups.dp, groups.tp, groups.pp],
                     evict_stuck=template.evict_stuck)
-        sent, seconds = _send_state(core, config, info, mine == info["source"], full)
+        clock.lap("groups")
+        sent, seconds = _send_state(core, config, info, pieces, clock)
     except Exception as exc:
         if not ulfm.is_failure(exc):
             raise
@@ -222,40 +270,114 @@ def _take_seats(core: StrategyCore, template: ShardingConfiguration, pool: Spare
                     world_size=config.world.size, seconds=time.perf_counter() - t0,
                     shrink_seconds=info["shrink_seconds"], survivor_steps=info["steps"],
                     source="spares", error=info["error"], promoted=promoted,
-                    spares_left=pool.count, sent_bytes=sent, state_seconds=seconds)
+                    spares_left=pool.count, sent_bytes=sent, state_seconds=seconds,
+                    phases=clock.phases, started=clock.started)
 
 
 def _send_state(core: StrategyCore, config: ShardingConfiguration, info: dict[str, Any],
-                source: bool, full: dict[str, Any] | None) -> tuple[int, float]:
-    """The agreed state from the survivor ``source`` to every rank of ``config``'s
-    world, ``core`` rebuilt over it; ``(bytes each newcomer received, seconds)``.
-    ``full``: the whole sharded state (params and optimizer state) on a survivor,
-    None on a newcomer or for replicated state. Collective over ``config.world``."""
+                pieces: list[tuple[Range, dict[str, Any]]] | None, clock: _Clock
+                ) -> tuple[int, float]:
+    """The agreed state to the ranks of ``config``'s world that lack it, point to
+    point, ``core`` rebuilt over the world; ``(bytes the newcomers received,
+    seconds)``. Sharded state: only the lost shards move (``resplit``: from the
+    buddy copies to the newcomers); replicated state: the whole vectors, in
+    pieces from every survivor at once. Collective over ``config.world``."""
     t0 = time.perf_counter()
-    world = config.world
-    root = world.allgather(bool(source)).index(True)
-    model = core.model
     if core.reduction is None:   # a newcomer decides as the survivors did
         learn_decisions(info["overlap"])
+        learn_reducers(info["reducers"])
         if info["reduce_method"] in REDUCE_METHODS and hasattr(core.options, "reduce_method"):
             core.replace_options(reduce_method=info["reduce_method"])
-    sent = 0
-    if info["names"] is not None:       # sharded: the whole vectors, each keeps its shard
-        if full is None:
-            full = {name: np.empty(model.layout.size, dtype=np.dtype(dtype))
-                    for name, dtype in info["names"]}
-        for name, _ in info["names"]:
-            world.Bcast(full[name], root=root, slot=("spares", name))
-            sent += full[name].nbytes
-        if model.params is not None:   # a newcomer's own vector, or whole_parameters' one
-            model.params[...] = full["params"]
-        core.rebuild(config)
-        put_state(core, {k: v for k, v in full.items() if k != "params"}, {}, world, root)
-        return sent, time.perf_counter() - t0
-    world.Bcast(model.params, root=root, slot=("spares", "params"))
-    sent += model.params.nbytes
-    old_state = dict(core.state) if core.placement is not None else None
-    core.rebuild(config)
-    put_state(core, None, old_state if old_state is not None else dict(core.state), world, root)
-    sent += sum(v.nbytes for v in core.state.values())
+    if info["names"] is not None:
+        sent = _move_shards(core, config, info, pieces or [], clock)
+    else:
+        sent = _send_replicated(core, config, info, clock)
     return sent, time.perf_counter() - t0
+
+
+def _pieces_to(group: FlatComm, vector: Any, senders: list[int], receivers: list[int],
+               name: str) -> None:
+    """``vector`` from the ``senders`` of ``group`` (who hold it) to its
+    ``receivers``: cut in ``len(senders)`` pieces, piece ``i`` from sender ``i``,
+    all at once. Point-to-point over ``group`` (its members in either list)."""
+    cuts = shard_ranges(len(vector), len(senders))
+    me = group.rank
+    if me in senders:
+        piece = cuts[senders.index(me)]
+        handles = [group.Isend(vector[piece.start:piece.stop], r, _STATE_TAG,
+                               slot=("spares", name, r)) for r in receivers if len(piece)]
+        for handle in handles:
+            handle.wait()
+    elif me in receivers:
+        for sender, piece in zip(senders, cuts):
+            if len(piece):
+                group.Recv(vector[piece.start:piece.stop], sender, _STATE_TAG,
+                           slot=("spares", name))
+
+
+def _send_replicated(core: StrategyCore, config: ShardingConfiguration, info: dict[str, Any],
+                     clock: _Clock) -> int:
+    """Replicated state (DDP): the newcomers and any survivor behind the agreed
+    step receive the parameters and the optimizer state from the survivors at it
+    (``_pieces_to``). Collective over
+    ``config.world``."""
+    world, model = config.world, core.model
+    behind = core.reduction is None or core.step_count != info["step"]
+    wants = world.allgather(bool(behind))
+    senders = [r for r, w in enumerate(wants) if not w]
+    receivers = [r for r, w in enumerate(wants) if w]
+    _pieces_to(world, model.params, senders, receivers, "params")
+    clock.lap("send")
+    old = None if behind else dict(core.state)
+    with recalling_reducers():     # measured before, on the same layout
+        core.rebuild(config, agreed=True)
+    clock.lap("rebuild")
+    for name in sorted(core.state):
+        if old is not None:
+            core.state[name][...] = old[name]
+        _pieces_to(world, core.state[name], senders, receivers, name)
+    clock.lap("send")
+    per_rank = model.params.nbytes + sum(v.nbytes for v in core.state.values())
+    return per_rank * len(receivers)
+
+
+def _move_shards(core: StrategyCore, config: ShardingConfiguration, info: dict[str, Any],
+                 pieces: list[tuple[Range, dict[str, Any]]], clock: _Clock) -> int:
+    """Sharded state (ZeRO-2, ZeRO-3): the same split as before the loss, so each
+    survivor keeps its shard and a newcomer receives the lost one from the buddy
+    copy that holds it ([`resplit`][mpishard.recovery.resplit.resplit]); ZeRO-2's
+    whole parameters are then put together by its ``Allgatherv`` (a survivor's
+    may be half-gathered). Collective over ``config.world`` (the data group)."""
+    dp, model = config.groups.dp, core.model
+    xp = core.xp if getattr(core, "xp", None) is not None else array_namespace(model.params)
+    dtypes = {name: np.dtype(dtype) for name, dtype in info["names"]}
+    shards = shard_ranges(model.layout.size, dp.size)
+    new = shards[dp.rank]
+    newcomer = core.reduction is None
+    moved = Moved()
+    params_type = {"params": dtypes.pop("params")}
+    if info["sharded_params"]:        # ZeRO-3: kept sharded, nothing whole
+        shard = resplit(dp, pieces, new, params_type, xp, moved)["params"]
+        if newcomer:                  # its own whole vector, sharded by the attach
+            model.params[new.start:new.stop] = shard
+    else:
+        resplit(dp, pieces, new, params_type, xp, moved,
+                out={"params": model.params[new.start:new.stop]})
+        if dp.size > 1:
+            dp.Allgatherv(model.params, [len(s) for s in shards], slot="recovery")
+    clock.lap("send")
+    with recalling_reducers():
+        core.rebuild(config, shard=None if newcomer or not info["sharded_params"] else shard,
+                     agreed=True)
+    clock.lap("rebuild")
+    resplit(dp, pieces, new, dtypes, xp, moved, out=core.state)
+    clock.lap("send")
+    counts = dp.allgather(int(newcomer))
+    itemsizes = {name: np.dtype(dtype).itemsize for name, dtype in info["names"]}
+    received = 0
+    for held, joined in zip(shards, counts):
+        if joined:   # its shard of each vector, and ZeRO-2's gathered parameters
+            received += len(held) * sum(itemsizes.values())
+            if not info["sharded_params"]:
+                received += (model.layout.size - len(held)) * itemsizes["params"]
+    return received

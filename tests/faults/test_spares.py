@@ -13,7 +13,8 @@ steps, or inside the backward: the survivors then wait in the gradient
 reduction). The spare takes the lost rank's place and state; the final
 parameters must equal the first run's (float64, rtol 1e-12; bit for bit with
 ``reproducible=True``), and so must every step's loss (the same samples in the
-same batches: none skipped, none twice).
+same batches: none skipped, none twice). One test trains with two ``optimize()``
+calls of the same optimizer: the spare released by the first serves the second.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from mpishard.optim import Adam
 from strategies import build, whole
 
 assert ulfm.available()[0], ulfm.available()[1]
-NAME, SPARES, REPRO = {name!r}, {spares}, {repro}
+NAME, SPARES, REPRO, CALLS = {name!r}, {spares}, {repro}, {calls}   # CALLS: epoch totals
 KILLS = {kills}            # (world rank, step, phase): "between", "backward", "waiting"
 rank = MPI.COMM_WORLD.rank
 rng = np.random.default_rng(0)
@@ -76,11 +77,17 @@ def run(kills):
             if phase == "waiting" and step == at and opt.config.world.rank == 0:
                 os.kill(pids[who], signal.SIGKILL)     # a spare, while it waits
                 print(f"KILL {{who}} waiting {{time.time():.6f}}", flush=True)
-    result = opt.optimize(model, (X, Y), epochs=2, batch_size=ROWS, seed=3, callback=callback)
-    return opt, result
+    seen, recoveries = [], []
+    for epochs in CALLS:       # the same optimizer over several optimize() calls
+        result = opt.optimize(model, (X, Y), epochs=epochs, batch_size=ROWS, seed=3,
+                              callback=callback)
+        seen.append(result.spare)
+        recoveries += result.recoveries
+    result.recoveries, result.spare = recoveries, seen[-1]
+    return opt, result, seen
 
 
-opt, result = run([])
+opt, result, _ = run([])
 unused = result.spare == "unused"
 ref = np.zeros(opt.model.layout.size)
 if not unused:
@@ -89,7 +96,7 @@ MPI.COMM_WORLD.Bcast(ref, root=0)
 losses = MPI.COMM_WORLD.bcast(result.losses, root=0)
 spares = MPI.COMM_WORLD.allgather(result.spare)
 
-opt, result = run(KILLS)
+opt, result, seen = run(KILLS)
 if result.spare != "unused":
     final = whole(opt)
     mine = {{"equal": bool(np.array_equal(final, ref)),
@@ -97,7 +104,7 @@ if result.spare != "unused":
              "losses_equal": result.losses == losses,
              "losses_close": bool(np.allclose(result.losses, losses, rtol=1e-12, atol=0)),
              "error": float(np.max(np.abs(final - ref) / np.abs(ref))),
-             "spare": result.spare, "rank": rank}}
+             "spare": result.spare, "calls": seen, "rank": rank}}
     every = opt.config.world.allgather(mine)
     if opt.config.world.rank == 0:
         print("RESULT " + json.dumps({{
@@ -108,10 +115,10 @@ ulfm.exit_now(0)      # not MPI_Finalize: it may wait for the dead ranks (ompi#1
 """
 
 
-def _job(name, kills, *, spares=1, repro=False, n=5, timeout=90):
+def _job(name, kills, *, spares=1, repro=False, n=5, timeout=90, calls=(2,)):
     _ft_or_skip()
     code = f"import sys; sys.path.insert(0, {str(_support())!r})\n" + JOB.format(
-        name=name, spares=spares, repro=repro, kills=kills)
+        name=name, spares=spares, repro=repro, kills=kills, calls=list(calls))
     job = ulfm_job(n, code, timeout=timeout)
     out = job.stdout
     match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
@@ -160,21 +167,25 @@ def test_a_spare_takes_the_lost_ranks_place_and_the_run_ends_as_if_nothing_was_l
             assert r["equal"] and r["losses_equal"], r
 
 
-def test_a_spare_lost_while_waiting_then_all_used_then_one_more_loss():
-    # 4 training ranks, spares 4 and 5: spare 5 is killed while it waits (nobody
-    # notices); rank 1 dies at step 4: spare 4 takes its place (the shrink leaves
-    # the dead spare out); rank 2 dies at step 10: no spare is left, the survivors
-    # shrink to 3 ranks as without spares.
-    kills = [(5, 2, "waiting"), (1, 4, "between"), (2, 10, "backward")]
-    result, out = _job("ddp", kills, spares=2, n=6)
+def test_a_spare_lost_while_waiting_then_one_used_in_a_later_call_then_one_more_loss():
+    # 4 training ranks, spares 4 and 5, two optimize() calls of the same optimizer
+    # (epochs 1, then 2 in total: steps 1-8, 9-16). Spare 5 is killed while it
+    # waits (nobody notices); the first call ends: spare 4 is released and waits
+    # again in the second call; rank 1 dies at step 10: spare 4 takes its place
+    # (the shrink leaves the dead spare out); rank 2 dies at step 13: no spare is
+    # left, the survivors shrink to 3 ranks as without spares.
+    kills = [(5, 2, "waiting"), (1, 10, "between"), (2, 13, "backward")]
+    result, out = _job("ddp", kills, spares=2, n=6, calls=(1, 2))
     assert result["first_spares"] == [None] * 4 + ["unused", "unused"], result
     first, second = result["recoveries"]
     assert first["from"] == "spares" and first["lost_ranks"] == [1], first
     assert first["promoted"] == [4] and first["spares_left"] == 0, first
-    assert first["world_size"] == 4 and first["step"] == 4, first
+    assert first["world_size"] == 4 and first["step"] == 10, first
     assert second["from"] == "survivor" and second["lost_ranks"] == [2], second
-    assert second["world_size"] == 3 and second["step"] == 10, second
+    assert second["world_size"] == 3 and second["step"] == 13, second
     assert result["world_size"] == 3 and result["steps"] == 16, result
+    calls = {r["rank"]: r["calls"] for r in result["ranks"]}
+    assert calls[4] == ["unused", "promoted"], calls   # released, then promoted
     # Up to the second loss the run is the one that lost nothing; then it goes on
     # over 3 ranks (the same global batches: float64 sums in another order).
     for r in result["ranks"]:
@@ -197,12 +208,12 @@ X, Y = rng.standard_normal((192, 5)), rng.integers(0, 3, 192)
 model = MLP([5, 16, 3], activation="tanh", dtype=np.float64, seed=1)
 config = ShardingConfiguration(timeout=60, fault_tolerance="ulfm", spares=1)
 opt = build("ddp", Adam(lr=1e-2), config, model=model)
-real = FlatComm.Bcast
-def Bcast(self, buf, *a, slot=None, **k):   # rank 2 dies as the state is sent
-    if rank == 2 and slot == ("spares", "params"):
+real = FlatComm.Isend
+def Isend(self, buf, *a, slot=None, **k):   # rank 2 dies as it sends its piece of the state
+    if rank == 2 and isinstance(slot, tuple) and slot[:2] == ("spares", "params"):
         os.kill(os.getpid(), signal.SIGKILL)
     return real(self, buf, *a, slot=slot, **k)
-FlatComm.Bcast = Bcast
+FlatComm.Isend = Isend
 def callback(step, loss):
     if rank == 1 and step == 3:
         os.kill(os.getpid(), signal.SIGKILL)
