@@ -23,9 +23,12 @@ die, the survivors ([`promote_spares`][mpishard.recovery.spares.promote_spares])
    set the step count, skipped steps and data position of the agreed step.
 
 The run then trains exactly the steps of the run that lost nothing, on the same
-layout. Fewer spares than lost ranks: every spare is promoted and the data-parallel
-size shrinks to what is left (``data_parallel_size=-1``). No spare left: today's
-shrink. A rank lost during steps 3-4 revokes everything and every rank ends with
+layout. In a 3D layout the newcomer takes the lost rank's tensor and pipeline
+coordinates too, and its slice's state comes from its data-parallel group
+([`mpishard.recovery.spares3d`][mpishard.recovery.spares3d]). Fewer spares than
+lost ranks: every spare is promoted and the data-parallel size shrinks to what
+is left (``data_parallel_size=-1``; a 3D layout hands over). No spare left:
+today's shrink. A rank lost during steps 3-4 revokes everything and every rank ends with
 one line ([`HandOver`][mpishard.errors.HandOver], exit 75) naming the ranks.
 """
 
@@ -49,6 +52,7 @@ from ..protocols import StrategyCore
 from .common import Recovered, StepMarks, error_text, put_state
 from .inplace import communicators, recoverable
 from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
+from .spares3d import agree_3d, send_state_3d, short_of_spares
 
 __all__ = ["Promoted", "promote_spares", "seats", "wait_as_spare"]
 
@@ -95,8 +99,8 @@ def promote_spares(core: StrategyCore, exc: BaseException | None = None, *,
 
     Raises:
         HandOver: on every rank (exit 75): a core that cannot be rebuilt so
-            (tensor or pipeline layouts), sharded state with no copy of a lost
-            shard, or a rank lost during the promotion.
+            (a 3D layout with one data-parallel replica), sharded state with no
+            copy of a lost shard, or a rank lost during the promotion.
     """
     if exc is not None and not ulfm.is_failure(exc):
         raise exc
@@ -105,11 +109,11 @@ def promote_spares(core: StrategyCore, exc: BaseException | None = None, *,
     pool = old.spare_pool
     rec = ulfm.recover(old.groups.world, core.step_count,
                        also=[*communicators(core), pool.job])
-    problem = recoverable(core) or (
-        "spares take the place of a data-parallel rank only (a tensor or pipeline "
-        "layout is not supported yet)" if core.drops_replicas else None)
-    step, full = rec.step, None
-    if problem is None and core.placement.recovery == "sharded":
+    problem = recoverable(core)
+    step, full, layout = rec.step, None, None
+    if problem is None and core.drops_replicas:     # a 3D layout: spares3d.py
+        step, full, problem, layout = agree_3d(core, buddy, rec.world)
+    elif problem is None and core.placement.recovery == "sharded":
         found = zero2_candidates(core, buddy, rec.world)
         if found:
             step = max(found)
@@ -121,7 +125,8 @@ def promote_spares(core: StrategyCore, exc: BaseException | None = None, *,
                        "restart from a checkpoint")
     info: dict[str, Any] = {"size": old.world.size, "dp": old.topology.dp, "step": step,
                             "lost": rec.lost, "steps": rec.steps, "problem": problem,
-                            "shrink_seconds": rec.seconds, "error": error_text(exc)}
+                            "shrink_seconds": rec.seconds, "error": error_text(exc),
+                            "layout3d": layout}
     if problem is None:
         marks = marks if marks is not None else StepMarks(core.step_count, core.skipped_steps,
                                                            core.data_position)
@@ -181,6 +186,8 @@ def _take_seats(core: StrategyCore, template: ShardingConfiguration, pool: Spare
     left waiting (``pool`` over ``job`` now). Collective over ``job``."""
     lost, seated = seats(every, info["size"])
     mine = every[job.rank] if every[job.rank] >= 0 else seated.get(job.rank)
+    if info.get("layout3d") is not None and info["problem"] is None:
+        info["problem"] = short_of_spares(len(lost), len(seated))
     speaker = job.rank == _first_trainer(every)
     if info["problem"] is not None:
         raise HandOver(f"lost world rank(s) {info['lost']} after step {info['step']}, "
@@ -231,6 +238,9 @@ def _send_state(core: StrategyCore, config: ShardingConfiguration, info: dict[st
     world, ``core`` rebuilt over it; ``(bytes each newcomer received, seconds)``.
     ``full``: the whole sharded state (params and optimizer state) on a survivor,
     None on a newcomer or for replicated state. Collective over ``config.world``."""
+    if info.get("layout3d") is not None:   # a 3D layout: by data-parallel group
+        t0 = time.perf_counter()
+        return send_state_3d(core, config, info, full), time.perf_counter() - t0
     t0 = time.perf_counter()
     world = config.world
     root = world.allgather(bool(source)).index(True)
