@@ -258,3 +258,20 @@ def test_the_newest_step_every_slice_holds_and_its_sources():
     assert short_of_spares(1, 1) is None
     assert short_of_spares(2, 1) == ("2 training ranks lost, 1 spare(s) alive: a 3D layout "
                                      "needs a spare for each lost rank")
+
+
+def test_mpishard_train_3d_with_a_spare_runs(tmp_path):
+    # The spare's placeholder model is not evaluated before training (its 3D
+    # pipeline has no peers: MPI_ERR_RANK aborted the job before the fix).
+    _ft_or_skip()
+    argv = ["train", "--example", "gpt", "--strategy", "hybrid", "--tp", "2", "--pp", "2",
+            "--spares", "1", "--max-steps", "3", "--fault-tolerance", "ulfm", "--d-model", "16",
+            "--layers", "2", "--heads", "2", "--out", str(tmp_path)]
+    code = (f"import sys; from mpishard.cli import main; rc = main({argv!r}); "
+            f"print('RESULT', rc, flush=True); sys.exit(rc)")
+    job = ulfm_job(9, code, timeout=150)
+    out = job.stdout
+    assert job.returncode in (0, None), out
+    assert "tp 2 x pp 2 x dp 2" in out and "1 spare(s)" in out, out
+    assert "stopped at --max-steps 3" in out and out.count("RESULT 0") == 9, out
+    assert "Traceback" not in out, out
