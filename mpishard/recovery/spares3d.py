@@ -171,5 +171,5 @@ def short_of_spares(lost: int, seated: int) -> str | None:
     no tensor and pipeline groups). Pure."""
     if seated >= lost:
         return None
-    return (f"{lost} training ranks lost, {seated} spare(s) alive: a 3D layout needs a "
+    return (f"{lost} training rank(s) lost, {seated} spare(s) alive: a 3D layout needs a "
             f"spare for each lost rank")

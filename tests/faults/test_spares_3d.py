@@ -51,6 +51,7 @@ rng = np.random.default_rng(0)
 ROWS = 8
 X = rng.standard_normal((4 * ROWS, 6))
 Y = rng.integers(0, 4, 4 * ROWS)
+pids = MPI.COMM_WORLD.allgather(os.getpid())
 factory = functools.partial(ParallelMLP, [6, 8, 8, 4], activation="tanh", dtype=np.float64,
                             seed=5)
 
@@ -78,6 +79,9 @@ def run(kills):
         for who, at, phase in kills:
             if who == rank and phase == "between" and step == at:
                 die("between")
+            if phase == "waiting" and step == at and opt.config.world.rank == 0:
+                os.kill(pids[who], signal.SIGKILL)     # the spare, while it waits
+                print(f"KILL {{who}} waiting", flush=True)
     result = opt.optimize(model, (X, Y), epochs=2, batch_size=ROWS, seed=3, callback=callback)
     return opt, result
 
@@ -216,7 +220,7 @@ def test_two_ranks_lost_with_one_spare_hand_over_naming_them():
     lines = [line for line in out.splitlines() if line.startswith("[mpishard]")]
     assert lines == [
         "[mpishard] train: lost world rank(s) [1, 6] after step 3, spares not promoted: 2 "
-        "training ranks lost, 1 spare(s) alive: a 3D layout needs a spare for each lost "
+        "training rank(s) lost, 1 spare(s) alive: a 3D layout needs a spare for each lost "
         "rank; exiting with 75 to be relaunched"], out
     assert "Traceback" not in out and "NOT REACHED" not in out, out
 
@@ -246,6 +250,22 @@ def test_the_spare_used_then_one_more_loss_drops_the_broken_replica():
         assert r["error"] < 1e-10, r
 
 
+def test_the_spare_lost_while_waiting_then_a_loss_hands_over_naming_it():
+    # The spare (world rank 8) is killed while it waits (nobody notices), rank 1
+    # dies after step 3: the shrink finds no spare alive, one line, exit 75.
+    _ft_or_skip()
+    job = ulfm_job(9, _code("ddp", [(8, 1, "waiting"), (1, 3, "between")], in_promotion=-1),
+                   timeout=120)
+    out = job.stdout
+    assert job.returncode in (75, None), out
+    lines = [line for line in out.splitlines() if line.startswith("[mpishard]")]
+    assert lines == [
+        "[mpishard] train: lost world rank(s) [1] after step 3, spares not promoted: 1 "
+        "training rank(s) lost, 0 spare(s) alive: a 3D layout needs a spare for each lost "
+        "rank; exiting with 75 to be relaunched"], out
+    assert "Traceback" not in out and "NOT REACHED" not in out, out
+
+
 def test_the_newest_step_every_slice_holds_and_its_sources():
     from mpishard.recovery.spares3d import newest_common_step, short_of_spares
 
@@ -256,8 +276,8 @@ def test_the_newest_step_every_slice_holds_and_its_sources():
     assert newest_common_step([(1, 0, 0, 5), (0, 0, 0, 5), (0, 1, 0, 5)]) == \
         (5, {(0, 0): 0, (1, 0): 0})
     assert short_of_spares(1, 1) is None
-    assert short_of_spares(2, 1) == ("2 training ranks lost, 1 spare(s) alive: a 3D layout "
-                                     "needs a spare for each lost rank")
+    assert short_of_spares(2, 1) == ("2 training rank(s) lost, 1 spare(s) alive: a 3D "
+                                     "layout needs a spare for each lost rank")
 
 
 def test_mpishard_train_3d_with_a_spare_runs(tmp_path):
