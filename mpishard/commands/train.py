@@ -477,7 +477,9 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
                   flush=True)
         for note in run.resume_notes:
             print(f"   {note}", flush=True)
-    start_val = evaluate(run.model, *run.validation) if run.validation is not None else None
+    # Not on a spare: its model is a placeholder (a 3D stage's pipeline has no peers).
+    start_val = (evaluate(run.model, *run.validation)
+                 if run.validation is not None and not run.config.is_spare else None)
     progress = s.progress if s.progress is not None else (rank0 and interactive_output())
     topo = run.config.topology
     report = run_training(

@@ -32,9 +32,12 @@ Each ``Promoted`` event carries the seconds of each part on its rank
 ``optimize()`` call of the script: a release ends one call, not its waiting.
 
 The run then trains exactly the steps of the run that lost nothing, on the same
-layout. Fewer spares than lost ranks: every spare is promoted and the data-parallel
-size shrinks to what is left (``data_parallel_size=-1``). No spare left: today's
-shrink. A rank lost during steps 3-4 revokes everything and every rank ends with
+layout. In a 3D layout the newcomer takes the lost rank's tensor and pipeline
+coordinates too, and its slice's state comes from its data-parallel group
+([`mpishard.recovery.spares3d`][mpishard.recovery.spares3d]). Fewer spares than
+lost ranks: every spare is promoted and the data-parallel size shrinks to what
+is left (``data_parallel_size=-1``; a 3D layout hands over). No spare left:
+today's shrink. A rank lost during steps 3-4 revokes everything and every rank ends with
 one line ([`HandOver`][mpishard.errors.HandOver], exit 75) naming the ranks.
 """
 
@@ -62,6 +65,7 @@ from .common import Recovered, StepMarks, error_text
 from .inplace import communicators, recoverable
 from .resplit import Moved, resplit
 from .shardcopy import ShardBuddy, sharded_pieces, zero2_candidates
+from .spares3d import agree_3d, send_state_3d, short_of_spares
 
 __all__ = ["Promoted", "promote_spares", "seats", "wait_as_spare"]
 
@@ -131,8 +135,8 @@ def promote_spares(core: StrategyCore, exc: BaseException | None = None, *,
 
     Raises:
         HandOver: on every rank (exit 75): a core that cannot be rebuilt so
-            (tensor or pipeline layouts), sharded state with no copy of a lost
-            shard, or a rank lost during the promotion.
+            (a 3D layout with one data-parallel replica), sharded state with no
+            copy of a lost shard, or a rank lost during the promotion.
     """
     if exc is not None and not ulfm.is_failure(exc):
         raise exc
@@ -143,29 +147,30 @@ def promote_spares(core: StrategyCore, exc: BaseException | None = None, *,
     rec = ulfm.recover(old.groups.world, core.step_count,
                        also=[*communicators(core), pool.job])
     clock.lap("shrink")
-    problem = recoverable(core) or (
-        "spares take the place of a data-parallel rank only (a tensor or pipeline "
-        "layout is not supported yet)" if core.drops_replicas else None)
-    step, pieces = rec.step, None
-    if problem is None and core.placement.recovery == "sharded":
+    problem = recoverable(core)
+    step, held, layout = rec.step, None, None
+    if problem is None and core.drops_replicas:     # a 3D layout: spares3d.py
+        step, held, problem, layout = agree_3d(core, buddy, rec.world)
+    elif problem is None and core.placement.recovery == "sharded":
         found = zero2_candidates(core, buddy, rec.world)
         if found:   # each survivor's own shard and the lost ones' copies, nothing whole
             step = max(found)
-            pieces = sharded_pieces(core, buddy, rec.world, step)
+            held = sharded_pieces(core, buddy, rec.world, step)
         else:
             problem = ("the optimizer-state shard of a lost rank is gone (no buddy copy): "
                        "restart from a checkpoint")
     info: dict[str, Any] = {"size": old.world.size, "dp": old.topology.dp, "step": step,
                             "lost": rec.lost, "steps": rec.steps, "problem": problem,
-                            "shrink_seconds": rec.seconds, "error": error_text(exc)}
+                            "shrink_seconds": rec.seconds, "error": error_text(exc),
+                            "layout3d": layout}
     if problem is None:
         marks = marks if marks is not None else StepMarks(core.step_count, core.skipped_steps,
                                                            core.data_position)
         info["skipped"], info["position"] = marks.agreed(
             rec.world, core, step, rec.world.allgather(core.step_count), rec.source)
         info["source"] = rec.world.bcast(old.world.rank, root=rec.source)
-        info["names"] = ([(k, v.dtype.str) for k, v in pieces[0][1].items()]
-                         if pieces is not None else None)
+        info["names"] = ([(k, v.dtype.str) for k, v in held[0][1].items()]
+                         if held is not None and layout is None else None)
         info["sharded_params"] = core.model.params is None    # ZeRO-3's
         # reduce_method="auto" was measured at the first attach, and a rebuild keeps
         # it: a newcomer takes it instead of measuring alone.
@@ -178,7 +183,7 @@ def promote_spares(core: StrategyCore, exc: BaseException | None = None, *,
     info = job.bcast(info, root=_first_trainer(every))
     clock.lap("info")
     rec.world.free()
-    event = _take_seats(core, old, pool, job, every, info, t0, pieces, clock)
+    event = _take_seats(core, old, pool, job, every, info, t0, held, clock)
     assert event is not None   # a training rank always has a seat
     return core, event
 
@@ -220,13 +225,15 @@ def _first_trainer(every: list[int]) -> int:
 
 def _take_seats(core: StrategyCore, template: ShardingConfiguration, pool: SparePool,
                 job: FlatComm, every: list[int], info: dict[str, Any], t0: float,
-                pieces: list[tuple[Range, dict[str, Any]]] | None,
-                clock: _Clock) -> Promoted | None:
+                held: Any, clock: _Clock) -> Promoted | None:
     """Step 3-4 of the module docstring on every rank of ``job``; None on a spare
-    left waiting (``pool`` over ``job`` now). ``pieces``: what a survivor holds
-    of sharded state (``sharded_pieces``). Collective over ``job``."""
+    left waiting (``pool`` over ``job`` now). ``held``: what a survivor holds of
+    sharded state (``sharded_pieces``), or in a 3D layout ``agree_3d``'s state;
+    None on a newcomer. Collective over ``job``."""
     lost, seated = seats(every, info["size"])
     mine = every[job.rank] if every[job.rank] >= 0 else seated.get(job.rank)
+    if info.get("layout3d") is not None and info["problem"] is None:
+        info["problem"] = short_of_spares(len(lost), len(seated))
     speaker = job.rank == _first_trainer(every)
     if info["problem"] is not None:
         raise HandOver(f"lost world rank(s) {info['lost']} after step {info['step']}, "
@@ -251,7 +258,7 @@ def _take_seats(core: StrategyCore, template: ShardingConfiguration, pool: Spare
         ulfm.enable([groups.world, groups.dp, groups.tp, groups.pp],
                     evict_stuck=template.evict_stuck)
         clock.lap("groups")
-        sent, seconds = _send_state(core, config, info, pieces, clock)
+        sent, seconds = _send_state(core, config, info, held, clock)
     except Exception as exc:
         if not ulfm.is_failure(exc):
             raise
@@ -275,21 +282,25 @@ def _take_seats(core: StrategyCore, template: ShardingConfiguration, pool: Spare
 
 
 def _send_state(core: StrategyCore, config: ShardingConfiguration, info: dict[str, Any],
-                pieces: list[tuple[Range, dict[str, Any]]] | None, clock: _Clock
-                ) -> tuple[int, float]:
+                held: Any, clock: _Clock) -> tuple[int, float]:
     """The agreed state to the ranks of ``config``'s world that lack it, point to
     point, ``core`` rebuilt over the world; ``(bytes the newcomers received,
     seconds)``. Sharded state: only the lost shards move (``resplit``: from the
     buddy copies to the newcomers); replicated state: the whole vectors, in
-    pieces from every survivor at once. Collective over ``config.world``."""
+    pieces from every survivor at once; a 3D layout: by data-parallel group
+    (`send_state_3d`). ``held``: what
+    this rank holds (`_take_seats`).
+    Collective over ``config.world``."""
     t0 = time.perf_counter()
     if core.reduction is None:   # a newcomer decides as the survivors did
         learn_decisions(info["overlap"])
         learn_reducers(info["reducers"])
         if info["reduce_method"] in REDUCE_METHODS and hasattr(core.options, "reduce_method"):
             core.replace_options(reduce_method=info["reduce_method"])
+    if info.get("layout3d") is not None:
+        return send_state_3d(core, config, info, held), time.perf_counter() - t0
     if info["names"] is not None:
-        sent = _move_shards(core, config, info, pieces or [], clock)
+        sent = _move_shards(core, config, info, held or [], clock)
     else:
         sent = _send_replicated(core, config, info, clock)
     return sent, time.perf_counter() - t0
