@@ -134,13 +134,13 @@ class HybridZeRO3Core(HybridCore, ZeRO3Core):
         self.attach(model)
         return model
 
-    def _attach(self, model: Any, shard: Any) -> None:
+    def _attach(self, model: Any, shard: Any, agreed: bool = False) -> None:
         # A stage built in shards has no gradient: the pipeline sums its
         # micro-batches' gradients in the stage's gradient vector (the reduction
         # shards it after the schedule), so the stage gets it here, once.
         if isinstance(model, HybridShardedModel) and model.grads is None:
             own_gradient(model.stage_model, model.xp, model.dtype)
-        super()._attach(model, shard)
+        super()._attach(model, shard, agreed=agreed)
 
     def _passes(self) -> list[str]:
         return self.model.passes()
