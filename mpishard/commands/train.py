@@ -456,6 +456,7 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
         Reporting,
         Sampling,
         evaluate,
+        evaluation_group,
         interactive_output,
         peak_rss_bytes,
         run_training,
@@ -472,7 +473,8 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
                   flush=True)
         for note in run.resume_notes:
             print(f"   {note}", flush=True)
-    start_val = evaluate(run.model, *run.validation) if run.validation is not None else None
+    start_val = (None if run.validation is None else
+                 evaluate(run.model, *run.validation, group=evaluation_group(run.strategy.core)))
     progress = s.progress if s.progress is not None else (rank0 and interactive_output())
     topo = run.config.topology
     report = run_training(
