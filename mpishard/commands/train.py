@@ -461,6 +461,7 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
         Reporting,
         Sampling,
         evaluate,
+        evaluation_group,
         interactive_output,
         peak_rss_bytes,
         run_training,
@@ -478,7 +479,8 @@ def _train(run: Run, stop: StopRequest) -> TrainResult:
         for note in run.resume_notes:
             print(f"   {note}", flush=True)
     # Not on a spare: its model is a placeholder (a 3D stage's pipeline has no peers).
-    start_val = (evaluate(run.model, *run.validation)
+    start_val = (evaluate(run.model, *run.validation,
+                          group=evaluation_group(run.strategy.core))
                  if run.validation is not None and not run.config.is_spare else None)
     progress = s.progress if s.progress is not None else (rank0 and interactive_output())
     topo = run.config.topology

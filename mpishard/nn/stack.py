@@ -50,6 +50,35 @@ class _Workspace:
     state: str = _DONE
 
 
+def _kind(buf: Any) -> Any:
+    """What makes two layers' buffers interchangeable: their keys, shapes and
+    dtypes (arrays), values (numbers, flags); None (never shared) for anything else."""
+    if isinstance(buf, dict):
+        parts = [(key, _kind(value)) for key, value in sorted(buf.items())]
+        return None if any(kind is None for _, kind in parts) else tuple(parts)
+    if isinstance(buf, (list, tuple)):
+        parts = [_kind(value) for value in buf]
+        return None if any(kind is None for kind in parts) else (type(buf), tuple(parts))
+    if buf is None or isinstance(buf, (bool, int, float, str)):
+        return (type(buf), buf)
+    shape, dtype = getattr(buf, "shape", None), getattr(buf, "dtype", None)
+    if shape is None or dtype is None:
+        return None
+    return ("array", tuple(shape), str(dtype), getattr(buf, "base", None) is None)
+
+
+def _ping_pong(alike: dict[Any, tuple[list[Any], list[int]]], key: Any, buf: Any) -> Any:
+    """``buf``, or the one of the two sets of its kind not used last (inference)."""
+    if key[1] is None:
+        return buf
+    sets, turn = alike.setdefault(key, ([], [0]))
+    if len(sets) < 2:
+        sets.append(buf)
+    chosen = sets[turn[0] % 2]
+    turn[0] += 1
+    return chosen
+
+
 class LayerStack:
     """Top-level layers ``[start, stop)`` of a model, each possibly tensor-parallel.
 
@@ -472,13 +501,23 @@ class LayerStack:
         return ws
 
     def _make_workspace(self, shape: tuple[int, ...], train: bool) -> _Workspace:
+        """A slot's buffers for input ``shape``. Training keeps every layer's (the
+        backward reads them); inference shares them between layers whose buffers
+        are alike (each transformer block, say), two sets of each kind used in
+        turn, so the memory is that of two layers of a kind, not of all: a
+        layer's input is the output of the layer before, so the set the last
+        layer of its kind wrote is the one it must not write."""
         xp = self.xp
         dtype = np.int64 if self.layers[0].index_input else self.dtype
         x = xp.empty(shape, dtype=dtype)
         buffers = []
+        alike: dict[Any, tuple[list[dict[str, Any]], list[int]]] = {}
         for j, layer in enumerate(self.layers):
             out_shape = tuple(layer.output_shape(shape))     # raises on a misfit
-            buffers.append(layer.allocate_shape(shape, train, self._need_dx(j)))
+            buf = layer.allocate_shape(shape, train, self._need_dx(j))
+            if not train:
+                buf = _ping_pong(alike, (type(layer), _kind(buf)), buf)
+            buffers.append(buf)
             shape = out_shape
         loss = None
         if train and self.criterion is not None:

@@ -2,7 +2,7 @@
 ``optimize()``, ``ElasticOptimizer`` and ``mpishard train``: feeding, reporting and the step loop,
 its option groups, its result, stop requests and evaluation."""
 
-from .evaluate import evaluate
+from .evaluate import evaluate, evaluation_group
 from .loop import run_training
 from .options import Checkpointing, Reporting, Sampling
 from .progress import interactive_output, peak_rss_bytes
@@ -20,6 +20,7 @@ __all__ = [
     "TrainResult",
     "TrainingReport",
     "evaluate",
+    "evaluation_group",
     "interactive_output",
     "peak_rss_bytes",
     "run_training",

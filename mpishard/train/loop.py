@@ -19,6 +19,7 @@ from ..checkpoint.background import discard_checkpoint
 from ..errors import DataPositionWarning, HandOver
 from ..protocols import Model, StrategyCore
 from ..recovery import Recovered, RecoveryPolicy, hand_over, wait_as_spare
+from .evaluate import evaluation_group
 from .feeding import Batch, Feeder
 from .options import Checkpointing, Reporting, Sampling, option_groups
 from .reporting import Reporter
@@ -80,7 +81,8 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
         _run_recovering(steps, saver, recovery, feeder, report, result)
         core.config.release_spares()   # training ended: spares still waiting leave
         result.epochs = feeder.epoch
-        result.val_loss = report.validation_at_end(core.step_count, model)
+        result.val_loss = report.validation_at_end(core.step_count, model,
+                                                   evaluation_group(core))
         report.end(core.step_count)
     finally:
         report.close()
@@ -231,7 +233,7 @@ class _Steps:
         if result.stopped is None and self.max_steps is not None and step >= self.max_steps:
             result.stopped = "max_steps"
         if epoch_ended:
-            self.report.epoch_end(feeder.epoch, step, self.model)
+            self.report.epoch_end(feeder.epoch, step, self.model, evaluation_group(core))
 
     def went_on(self, event: Recovered) -> None:
         """After a recovery: every survivor reports the steps up to the agreed one."""

@@ -1,7 +1,8 @@
 """What a run shows and records: the bar, the epoch lines and the metrics records.
 
 Only rank 0 writes or prints; nothing here communicates, except the validation
-loss at an epoch's end (collective wherever the model's ``forward`` is). The
+loss at an epoch's end (collective wherever the model's ``forward`` is, and over
+the group its rows are shared out over). The
 metrics file's records are listed on the docs site's training-loop page.
 """
 
@@ -12,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from ..comm import FlatComm
 from ..errors import HandOver
 from ..protocols import Model
 from ..recovery import Recovered
@@ -76,8 +78,10 @@ class Reporter:
             since, total, steps, samples = now, 0.0, 0, 0
         self._window = (since, total, steps, samples)
 
-    def epoch_end(self, epoch: int, step: int, model: Model) -> None:
-        """An epoch is complete: its record (with the validation loss) and line."""
+    def epoch_end(self, epoch: int, step: int, model: Model,
+                  group: FlatComm | None = None) -> None:
+        """An epoch is complete: its record (with the validation loss, its rows
+        shared out over ``group``: [`evaluate`][mpishard.train.evaluate]) and line."""
         now = time.perf_counter()
         since, total, steps, samples = self._epoch
         values: dict[str, Any] = {"epoch": epoch, "step": step, "loss": total / max(steps, 1),
@@ -85,7 +89,7 @@ class Reporter:
                                   "elapsed_s": now - self.t_start}
         validation = self.options.validation
         if validation is not None:
-            values["val_loss"] = evaluate(model, *validation)
+            values["val_loss"] = evaluate(model, *validation, group=group)
             self.last_val = (step, values["val_loss"])
         self.metrics.record("epoch", **values)
         every = self.options.print_every
@@ -125,12 +129,15 @@ class Reporter:
             self.metrics.record("end", step=step, stopped=over.stopped, reason=str(over))
         self.close()
 
-    def validation_at_end(self, step: int, model: Model) -> float:
+    def validation_at_end(self, step: int, model: Model,
+                          group: FlatComm | None = None) -> float:
         """The validation loss at ``step`` (the last epoch's, when it was then)."""
         validation = self.options.validation
         if validation is None:
             return float("nan")
-        return self.last_val[1] if self.last_val[0] == step else evaluate(model, *validation)
+        if self.last_val[0] == step:
+            return self.last_val[1]
+        return evaluate(model, *validation, group=group)
 
     def end(self, step: int) -> None:
         r = self.result

@@ -15,9 +15,10 @@ holds, not that the model is too large; the 0.5 way is not compared there).
 The peak is tracemalloc's (NumPy registers its buffers with it) in each phase:
 construction and attach, the steps, an evaluation, the save and the load, less
 what was held before the first (the imports and JIT compilations, done by a
-warm-up first). The reference runs before, in the same process, the budget not
-yet enforced: one process on the whole global batch
-(``tests/support/reference.py``), float64, rtol 1e-10 after the steps.
+warm-up first). The reference runs before, on rank 0 (broadcast to the others),
+the budget not yet enforced: one process on the whole global batch
+(``tests/support/reference.py``), float64, rtol 1e-10 after the steps. The
+model, the budget and the peak: ``tests/support/zero3_budget.py``.
 
 The file written at N ranks is loaded at ``max(1, N // 2)`` ranks (each half of
 the world on its own sub-communicator; at 1 rank the same size), built in shards
@@ -34,98 +35,26 @@ import tracemalloc
 import numpy as np
 import pytest
 from mpi4py import MPI
-from reference import train_serial
+from zero3_budget import (
+    OPTIONS,
+    STEPS,
+    Peak,
+    batch,
+    budget,
+    make,
+    optimizer,
+    serial_reference,
+    warm_up,
+)
 
 from mpishard import ShardingConfiguration
 from mpishard.checkpoint import load_checkpoint, save_checkpoint
-from mpishard.kernels.select import FUSED_MIN_ELEMENTS
-from mpishard.nn import GPT
-from mpishard.optim import AdamW
 from mpishard.strategies import ZeRO3Optimizer
 from mpishard.train import evaluate
 
 pytestmark = pytest.mark.mpi
 
 WORLD = MPI.COMM_WORLD
-# 16 blocks of 111,936 parameters (0.85 MiB) and few tokens: the parameters, not
-# the activations, are what does not fit. One row of SEQ tokens a rank.
-VOCAB, SEQ, D, HEADS, LAYERS = 64, 4, 96, 4, 16       # 1.8M parameters, P = 13.8 MiB
-STEPS = 3
-OPTIONS = {"bucket_mb": 1.0, "gather_mb": 1.0}        # one block a bucket
-BLOCK = 12 * D * D + 13 * D                            # a TransformerBlock's parameters
-# What does not scale with the model: 8 blocks (the gathered buckets, in use and
-# prefetched; the two gradient slots; the reduce method's measurement at attach;
-# a layer's scratch and draws at construction) and 6 MiB (the workspaces of the
-# training and the evaluation, a checkpoint's pieces). Measured at 1 rank, the
-# most: 6.2 blocks (5.3 MiB) at the attach, 11.2 MiB in all after the save.
-ALLOWANCE = 8 * BLOCK * 8 + 6 * 2**20
-
-
-def make(**kwargs):
-    return (GPT, VOCAB, SEQ, D, HEADS, LAYERS), dict(dtype=np.float64, seed=4, **kwargs)
-
-
-def warm_up(path):
-    """Everything once on a tiny model, outside the measured region: the imports
-    and JIT compilations (numba's: tens of MiB of Python objects, once per
-    process) are a fixed cost, not the model's."""
-    config = ShardingConfiguration(WORLD)
-    zero3 = ZeRO3Optimizer(optimizer(), config, **OPTIONS)
-    model = zero3.build(GPT, VOCAB, SEQ, 8, 2, 1, dtype=np.float64, seed=1)
-    x, y = batch(0)
-    zero3.train_step(x[:1], y[:1])
-    evaluate(model, x, y, batch=4)
-    save_checkpoint(path, model, zero3)
-    load_checkpoint(path, model, zero3)
-    config.free()
-    # The fused update runs on shards of at least FUSED_MIN_ELEMENTS: compile it here.
-    opt, vector = optimizer(), np.zeros(FUSED_MIN_ELEMENTS)
-    opt.update(vector, vector.copy(), opt.init_state(vector.size, vector.dtype, np), 1, 1e-3,
-               1.0)
-
-
-def optimizer():
-    return AdamW(lr=1e-3, weight_decay=0.01)
-
-
-def batch(step, rows=None):
-    rng = np.random.default_rng([21, step])
-    x = rng.integers(0, VOCAB, (WORLD.size if rows is None else rows, SEQ))
-    return x, np.roll(x, -1, axis=1)
-
-
-def budget(parameter_bytes: int, ranks: int, shards: int = 4) -> int:
-    """The per-rank budget at ``ranks`` ranks: ``shards`` shards of the vector
-    (4: the parameters, the reduced gradient and the two Adam moments; 7 in a
-    load, which holds 3 more, what it read, until all is verified) and the
-    allowance."""
-    return shards * parameter_bytes // ranks + ALLOWANCE
-
-
-class Peak:
-    """tracemalloc's peak above what was held at the start, over ``with`` blocks."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self.phases: dict[str, int] = {}
-
-    def __call__(self, phase: str):
-        return _Phase(self, phase)
-
-
-class _Phase:
-    def __init__(self, owner: Peak, phase: str) -> None:
-        self.owner, self.phase = owner, phase
-
-    def __enter__(self):
-        gc.collect()
-        tracemalloc.reset_peak()
-        return self
-
-    def __exit__(self, *exc):
-        peak = tracemalloc.get_traced_memory()[1] - self.owner.base
-        self.owner.phases[self.phase] = peak
-        self.owner.peak = max(self.owner.peak, peak)
 
 
 def shards_of(comm, size):
@@ -144,43 +73,37 @@ def test_gpt_beyond_the_budget_trains_in_shards(tmp_path_factory):
     sub_size = sub.Get_size()   # other, or fewer for the last ranks of an odd world
     args, kwargs = make()
     x_eval, y_eval = batch(99, rows=2)
-    # The reference first, the budget lifted: one process on the whole global batch.
-    serial = args[0](*args[1:], **kwargs)
-    opt = optimizer()
-    state = opt.init_state(serial.params.size, serial.params.dtype, np)
-    ref = train_serial(serial, opt, [batch(s) for s in range(STEPS)], state=state)
-    ref_eval = evaluate(serial, x_eval, y_eval, batch=1)
-    parameter_bytes = serial.params.nbytes
-    assert serial.layout.size == LAYERS * BLOCK + (VOCAB + SEQ) * D + 2 * D + D * VOCAB
+    # The reference first, the budget lifted: one process on the whole global batch
+    # (on rank 0, broadcast).
+    ref = serial_reference(WORLD, [batch(s, n) for s in range(STEPS)], (x_eval, y_eval))
+    parameter_bytes = ref.params.nbytes
 
-    warm_up(path)
+    warm_up(WORLD, path)
     config = ShardingConfiguration(WORLD)
     sub_config = ShardingConfiguration(sub)
     peak = Peak()
-    tracemalloc.start()
+    peak.start()
     try:
-        gc.collect()
-        peak.base = tracemalloc.get_traced_memory()[0]
         with peak("construction and attach"):
             zero3 = ZeRO3Optimizer(optimizer(), config, **OPTIONS)
             model = zero3.build(*args, **kwargs)
         with peak("steps"):
-            losses = [zero3.train_step(*[a[WORLD.rank:WORLD.rank + 1] for a in batch(s)])
+            losses = [zero3.train_step(*[a[WORLD.rank:WORLD.rank + 1] for a in batch(s, n)])
                       for s in range(STEPS)]
         np.testing.assert_allclose(losses, ref.losses, rtol=1e-10)
         with peak("evaluation"):
             held_out = evaluate(model, x_eval, y_eval, batch=1)
-        np.testing.assert_allclose(held_out, ref_eval, rtol=1e-10)
+        np.testing.assert_allclose(held_out, ref.evaluation, rtol=1e-10)
         with peak("save"):
             save_checkpoint(path, model, zero3)
-        assert_shard(zero3, serial.params, state)
+        assert_shard(zero3, ref.params, ref.state)
         del zero3, model
         with peak("load at another size"):
             loader = ZeRO3Optimizer(optimizer(), sub_config, **OPTIONS)
             loaded = loader.build(*args, **kwargs)
             load_checkpoint(path, loaded, loader)
         assert loader.step_count == STEPS
-        assert_shard(loader, serial.params, state)
+        assert_shard(loader, ref.params, ref.state)
         del loader, loaded
     finally:
         tracemalloc.stop()
