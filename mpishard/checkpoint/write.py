@@ -77,7 +77,7 @@ from ..comm import FlatComm, hdf5_deadline
 from ..errors import CheckpointError
 from .blocks import Block, block_shape, block_size, split_block
 from .checksum import Checksum, block_checksum
-from .collective import DRIVER_ENV, agree_error, resolve_driver
+from .collective import DRIVERS, agree_error, resolve_driver
 from .container import seal_file, seal_image, userblock_size_for
 from .format import TensorRecord, check_tensor_name
 
@@ -100,8 +100,6 @@ __all__ = [
 
 #: Pieces are written, sent and checksummed in chunks of at most this many bytes.
 CHUNK_BYTES = 16 << 20
-#: The drivers of `write_checkpoint_file`.
-DRIVERS = ("auto", "direct", "mpio", "serial")
 #: Temporary files are ``<final name>.tmp-<hex>``.
 TEMP_MARK = ".tmp-"
 #: HDF5 file format bounds: 1.8 object headers (dense attributes for long JSON),
@@ -287,21 +285,13 @@ def write_checkpoint_file(path: str | os.PathLike, comm: FlatComm | None,
 
 
 def choose_driver(driver: str, size: int, rank: int = 0) -> str:
-    """``"direct"``, ``"mpio"`` or ``"serial"``: ``"auto"`` is ``"direct"``
-    unless `DRIVER_ENV` names another driver, which
-    [`resolve_driver`][mpishard.checkpoint.collective.resolve_driver] then checks
-    (the HDF5 drivers, with its fallback and warning). Local.
+    """The driver a write with ``driver`` uses: ``"direct"``, ``"mpio"`` or
+    ``"serial"`` ([`resolve_driver`][mpishard.checkpoint.collective.resolve_driver],
+    the one answer). Local.
 
     Raises:
         ValueError: an unknown driver, or ``"mpio"`` with an h5py built without MPI.
     """
-    if driver not in DRIVERS:
-        raise ValueError(f"driver must be one of {', '.join(map(repr, DRIVERS))}, "
-                         f"got {driver!r}")
-    if driver == "direct":
-        return "direct"
-    if driver == "auto" and os.environ.get(DRIVER_ENV, "").strip().lower() in ("", "direct"):
-        return "direct"
     return resolve_driver(driver, size, rank)
 
 

@@ -22,7 +22,7 @@ from worlds import batch_splits
 from mpishard import CheckpointError
 from mpishard.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from mpishard.checkpoint import write as checkpoint_write
-from mpishard.checkpoint.collective import DRIVER_ENV
+from mpishard.checkpoint.collective import DRIVER_ENV, resolve_driver
 
 pytestmark = [pytest.mark.mpi, batch_splits(24)]
 
@@ -78,6 +78,16 @@ def test_auto_is_direct_unless_the_environment_names_a_driver(monkeypatch):
     assert checkpoint_write.choose_driver("auto", 4) == "direct"
     with pytest.raises(ValueError, match="'auto', 'direct', 'mpio', 'serial'.*'posix'"):
         checkpoint_write.choose_driver("posix", 4)
+    # Every public answer is the driver used: resolve_driver and `mpishard info`.
+    from mpishard.cli import environment_info
+
+    assert resolve_driver("auto", 4) == "direct"
+    assert environment_info()["checkpoint_driver"] == f"direct ({DRIVER_ENV}={'direct'})"
+    monkeypatch.delenv(DRIVER_ENV)
+    assert environment_info()["checkpoint_driver"] == f"direct ({DRIVER_ENV} unset)"
+    monkeypatch.setenv(DRIVER_ENV, "serial")
+    assert resolve_driver("auto", 2) == checkpoint_write.choose_driver("auto", 2) == "serial"
+    assert environment_info()["checkpoint_driver"].startswith("serial ")
 
 
 def test_failed_direct_write_is_raised_on_every_rank(mpi_tmp_path, monkeypatch):
@@ -95,3 +105,4 @@ def test_failed_direct_write_is_raised_on_every_rank(mpi_tmp_path, monkeypatch):
     assert not os.path.exists(mpi_tmp_path / "bad.h5")
     assert not [n for n in os.listdir(mpi_tmp_path) if ".tmp-" in n]
     load_checkpoint(good, model, strategy)   # the previous one is untouched
+
