@@ -87,6 +87,7 @@ __all__ = [
     "LaidOut",
     "Piece",
     "TEMP_MARK",
+    "aligned_chunks",
     "block_runs",
     "choose_driver",
     "file_runs",
@@ -708,13 +709,28 @@ def file_runs(pieces: Sequence[Piece], laid: LaidOut) -> list[tuple[int, memoryv
     return out
 
 
+def aligned_chunks(offset: int, length: int, piece: int = CHUNK_BYTES,
+                   align: int = _ALIGN) -> list[tuple[int, int]]:
+    """``(start, stop)`` byte ranges of a run of ``length`` bytes at file
+    offset ``offset``, at most ``piece`` bytes each: a head up to the first
+    ``align`` boundary of the file where the run starts between two, then
+    pieces that all start on one (``piece`` a multiple of ``align``), so that
+    only the run's first and last pages are written in part."""
+    head = min(length, (-offset) % align) if piece % align == 0 else 0
+    cuts = [0, head] if head else [0]
+    cuts += range(head + piece, length, piece)
+    return [(a, b) for a, b in zip(cuts, [*cuts[1:], length]) if b > a]
+
+
 def pwrite_runs(fd: int, runs: Sequence[tuple[int, memoryview]], piece: int = CHUNK_BYTES,
                 after: Any = None) -> None:
-    """Write ``runs`` at their offsets, ``piece`` bytes per call; ``after(n)``
-    after each call that wrote ``n`` bytes. POSIX only: no MPI, no HDF5."""
+    """Write ``runs`` at their offsets, at most ``piece`` bytes per call, each
+    call after a run's first starting on a 4 KiB boundary of the file
+    (`aligned_chunks`); ``after(n)`` after each call that wrote ``n`` bytes.
+    POSIX only: no MPI, no HDF5."""
     for offset, data in runs:
-        for at in range(0, len(data), piece):
-            chunk, where = data[at:at + piece], offset + at
+        for at, stop in aligned_chunks(offset, len(data), piece):
+            chunk, where = data[at:stop], offset + at
             n = len(chunk)
             while len(chunk):
                 wrote = os.pwrite(fd, chunk, where)
@@ -777,6 +793,7 @@ def _write_direct(final: str, comm: FlatComm | None, tensors: Sequence[TensorRec
                                                        np.ascontiguousarray(p.data))
              for p in pieces]
     laid = lay_out(final, comm, tensors, dense, attrs, order_groups)
+    rank = 0 if comm is None else comm.rank
     count = len(laid.ordered)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpishard-checksum")
     error, table = None, None
@@ -785,11 +802,12 @@ def _write_direct(final: str, comm: FlatComm | None, tensors: Sequence[TensorRec
         sums = pool.submit(_checksums, dense, laid.index, count)
         try:
             pwrite_runs(laid.fd, file_runs(dense, laid), after=writeback.wrote)
-            if durable:
+            if durable and rank != 0:
+                # Rank 0's data is made durable by the fsync of the seal (the
+                # same file, from the same node): one fsync less there.
                 os.fsync(laid.fd)
         except Exception as exc:
-            error = CheckpointError(f"{laid.tmp}: writing failed on rank "
-                                    f"{0 if comm is None else comm.rank}: {exc}")
+            error = CheckpointError(f"{laid.tmp}: writing failed on rank {rank}: {exc}")
         try:
             table = np.array([s.to_array() for s in sums.result()],
                              dtype=np.uint64).reshape(count, 2)

@@ -106,3 +106,41 @@ def test_failed_direct_write_is_raised_on_every_rank(mpi_tmp_path, monkeypatch):
     assert not [n for n in os.listdir(mpi_tmp_path) if ".tmp-" in n]
     load_checkpoint(good, model, strategy)   # the previous one is untouched
 
+
+def test_no_two_ranks_write_one_page_of_a_large_dataset(mpi_tmp_path, monkeypatch):
+    """DDP's replicated vectors: each rank's share ends where a 4 KiB page of the
+    file begins (the shares of `shard_ranges` cut the 2 MiB weight mid-page), and
+    every ``pwrite`` after a run's first starts on a page."""
+    from mpishard import ShardingConfiguration
+    from mpishard.nn import MLP
+    from mpishard.optim import Adam
+    from mpishard.strategies import DDPOptimizer
+
+    model = MLP([64, 512, 512, 10], activation="tanh", seed=3, dtype=np.float64)
+    strategy = DDPOptimizer(Adam(lr=1e-3), ShardingConfiguration(WORLD))
+    strategy.attach(model)
+    calls = []
+    real = checkpoint_write.os.pwrite
+
+    def recording(fd, data, offset):
+        calls.append((offset, len(data)))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(checkpoint_write.os, "pwrite", recording)
+    path = save_checkpoint(mpi_tmp_path / "pages.h5", model, strategy, driver="direct")
+    monkeypatch.undo()
+    every = WORLD.allgather(calls)
+    if WORLD.rank == 0:
+        with h5py.File(path, "r") as f:
+            large = [(f[p].id.get_offset(), f[p].id.get_storage_size())
+                     for p in ("params/0.weight", "params/2.weight", "optimizer/exp_avg/2.weight")]
+        owner = {}
+        for rank, writes in enumerate(every):
+            for offset, n in writes:
+                for page in range(offset // 4096, (offset + n - 1) // 4096 + 1):
+                    if any(a // 4096 <= page <= (a + s - 1) // 4096 for a, s in large):
+                        assert owner.setdefault(page, rank) == rank, (page, owner[page], rank)
+    verify_checkpoint(path) if WORLD.rank == 0 else None
+    assert checkpoint_write.aligned_chunks(100, 10000, 4096) == [(0, 3996), (3996, 8092),
+                                                                 (8092, 10000)]
+    assert checkpoint_write.aligned_chunks(8192, 10, 4096) == [(0, 10)]
