@@ -380,10 +380,13 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
             except BaseException:
                 snap.finish()
                 raise
-            snap.start()   # the copies go on while the file is agreed on and created
+            # Rank 0's copies go on in a thread while it creates the file; the
+            # others copy in this thread while they wait for it (a helper thread
+            # there would share the cores with this one's polling).
+            snap.start(background=place.world is None or place.world.rank == 0)
             return start_background_write(path, place.world, tensors, pieces, attrs,
                                           durable=durable, order_groups=(PARAMS,),
-                                          ready=snap.finish)
+                                          ready=snap.finish, meanwhile=snap.copy_now)
         tensors, pieces, attrs = _contents(path, model, strategy, place, _local)
         return write_checkpoint_file(path, place.world, tensors, pieces, attrs, driver=driver,
                                      durable=durable, order_groups=(PARAMS,))

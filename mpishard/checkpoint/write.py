@@ -566,10 +566,12 @@ class LaidOut:
 
 def lay_out(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
             pieces: Sequence[Piece], attrs: dict[str, dict[str, Any]],
-            order_groups: Sequence[str], local_problem: str | None = None) -> LaidOut:
+            order_groups: Sequence[str], local_problem: str | None = None,
+            meanwhile: Any = None) -> LaidOut:
     """Agree on the datasets (`plan_datasets`), let rank 0 create the file at
     a temporary name next to ``final`` (serial h5py: kilobytes of metadata, no
-    MPI-IO), broadcast its name and offsets, and open it on every rank.
+    MPI-IO), broadcast its name and offsets, and open it on every rank; the
+    other ranks call ``meanwhile()`` (if given) while rank 0 creates the file.
     Collective over ``comm``.
 
     Raises:
@@ -584,6 +586,8 @@ def lay_out(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
     created = None
     if rank == 0:   # rank 0's attributes, as under mpio
         created = _create_file(final, ordered, _with_order(attrs, ordered, order_groups), ub)
+    elif meanwhile is not None:
+        meanwhile()
     created = comm.bcast(created, root=0) if size > 1 else created
     tmp, offsets, problem = created
     if problem:   # every rank has rank 0's message: no agreement needed
