@@ -23,9 +23,12 @@ Order of a save (collective over ``comm``), by driver:
    sparse until written), a zero ``checksum`` attribute on each; it broadcasts
    the name and every dataset's file offset, and every rank opens the file;
 3. each rank writes its pieces' bytes at those offsets with ``os.pwrite``
-   (16 MiB calls; a flat vector's share is one run per tensor, merged across
-   tensors where they are adjacent in the file and in memory), while a helper
-   thread checksums them, then ``fsync``s; no MPI-IO, no HDF5 in the data path;
+   (16 MiB calls, each after a run's first starting on a 4 KiB page of the
+   file; a flat vector's share is one run per tensor, merged across tensors
+   where they are adjacent in the file and in memory; a replicated vector's
+   shares end on pages, so no two ranks write one page of a large dataset),
+   while a helper thread checksums them, then ``fsync``s (but rank 0, whose
+   seal's ``fsync`` covers the file); no MPI-IO, no HDF5 in the data path;
 4. one ``Allreduce`` adds the partial checksums; rank 0 puts them in place
    (same size: the file's layout does not move), seals the user block,
    fsyncs, renames to ``path`` and fsyncs the folder.
