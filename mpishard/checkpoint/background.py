@@ -44,11 +44,12 @@ stall any HDF5 use of the training thread (a data set read from an HDF5 file).
 
 Measured (``benchmarks/bench_async_checkpoint.py``, 2 ranks on a loaded 2-core
 machine; the numbers are on the guide's Checkpoints page): for a 25 M-parameter
-MLP the call blocks 1.2 times as long as a plain copy of the rank's state (the
-rest is the file's creation and the agreements, tens of milliseconds, which
-the helper thread's copy overlaps), a fifth to a quarter of the synchronous
-save, and a window of 100 steps with one asynchronous checkpoint lost 7%
-against 33% with a synchronous one (DDP, medians).
+MLP the call blocks 1.2 to 1.8 times as long as a plain copy of the rank's
+state (the rest is rank 0's layout of the file and the agreements, tens of
+milliseconds; the layout ran three times as slow under ``tracemalloc`` until
+the call's memory phase stopped tracing), a fifth to a tenth of the
+synchronous save; the throughput lost over 100 steps with one asynchronous
+checkpoint is below the machine's noise there.
 Hence the choice of the simplest protocol that keeps every collective in the
 calling thread: one small collective at the call and one at the commit.
 
