@@ -39,6 +39,7 @@ def environment_info() -> dict[str, object]:
     except ImportError:
         info["h5py"] = None
         info["h5py_mpi"] = False
+    info["checkpoint_driver"] = _checkpoint_driver(int(info.get("world_size", 1)))
     try:
         import cupy
 
@@ -57,6 +58,18 @@ def environment_info() -> dict[str, object]:
     # What a reproducible run's bits depend on (docs/guide/reproducible.md).
     info["reproducibility"] = reproducibility_info()
     return info
+
+
+def _checkpoint_driver(size: int) -> str:
+    """The driver ``save_checkpoint(driver="auto")`` uses at ``size`` ranks, and why."""
+    from .checkpoint.collective import DRIVER_ENV, resolve_driver
+
+    named = os.environ.get(DRIVER_ENV, "").strip()
+    why = f"{DRIVER_ENV}={named}" if named else f"{DRIVER_ENV} unset"
+    try:
+        return f"{resolve_driver('auto', size)} ({why})"
+    except (ValueError, ImportError) as exc:
+        return f"none: {exc}"
 
 
 def _info(args: argparse.Namespace) -> int:

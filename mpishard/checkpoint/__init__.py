@@ -4,6 +4,7 @@ Model files (``save_model``, ``load_model``, ``model_from_bytes``) moved to
 [`mpishard.models`][mpishard.models], the layer above this one."""
 
 from .background import wait_for_checkpoint
+from .collective import resolve_driver
 from .files import CheckpointManager, checkpoint_name, latest_checkpoint, list_checkpoints
 from .format import FORMAT, FORMAT_VERSION, CheckpointInfo, TensorRecord
 from .state import load_checkpoint, save_checkpoint
@@ -20,6 +21,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "resolve_driver",
     "save_checkpoint",
     "verify_checkpoint",
     "wait_for_checkpoint",

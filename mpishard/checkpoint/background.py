@@ -44,11 +44,12 @@ stall any HDF5 use of the training thread (a data set read from an HDF5 file).
 
 Measured (``benchmarks/bench_async_checkpoint.py``, 2 ranks on a loaded 2-core
 machine; the numbers are on the guide's Checkpoints page): for a 25 M-parameter
-MLP the call blocks 1.2 times as long as a plain copy of the rank's state (the
-rest is the file's creation and the agreements, tens of milliseconds, which
-the helper thread's copy overlaps), a fifth to a quarter of the synchronous
-save, and a window of 100 steps with one asynchronous checkpoint lost 7%
-against 33% with a synchronous one (DDP, medians).
+MLP the call blocks 1.2 to 1.8 times as long as a plain copy of the rank's
+state (the rest is rank 0's layout of the file and the agreements, tens of
+milliseconds; the layout ran three times as slow under ``tracemalloc`` until
+the call's memory phase stopped tracing), a fifth to a tenth of the
+synchronous save; the throughput lost over 100 steps with one asynchronous
+checkpoint is below the machine's noise there.
 Hence the choice of the simplest protocol that keeps every collective in the
 calling thread: one small collective at the call and one at the commit.
 
@@ -126,7 +127,7 @@ class Snapshot:
 
     def begin(self) -> None:
         self.used = 0
-        self.copies.clear()
+        self.copies = []
         self.error = None
 
     def take(self, a: Any) -> np.ndarray:
@@ -144,9 +145,10 @@ class Snapshot:
             self.copies.append((out, a))
         return out
 
-    def start(self) -> None:
-        """Start copying the NumPy arrays taken."""
-        if self.copies:
+    def start(self, background: bool = True) -> None:
+        """Start copying the NumPy arrays taken in a helper thread, or
+        (``background=False``) leave them to `copy_now` or `finish`."""
+        if self.copies and background:
             self.thread = threading.Thread(target=self._copy, name="mpishard-snapshot",
                                            daemon=True)
             self.thread.start()
@@ -157,13 +159,21 @@ class Snapshot:
                 np.copyto(out, a)
         except BaseException as exc:   # raised by finish
             self.error = exc
+        self.copies = []
+
+    def copy_now(self) -> None:
+        """Copy, in the calling thread, what no helper thread copies (a failure
+        is raised by `finish`)."""
+        if self.thread is None and self.copies:
+            self._copy()
 
     def finish(self) -> None:
         """Wait for the copies (the caller may change the arrays afterwards)."""
         if self.thread is not None:
             self.thread.join()
             self.thread = None
-        self.copies.clear()
+        self.copy_now()
+        self.copies = []
         if self.error is not None:
             error, self.error = self.error, None
             raise CheckpointError(f"copying the snapshot failed: {error}")
@@ -223,13 +233,15 @@ def start_background_write(path: str | os.PathLike, comm: FlatComm | None,
                            tensors: Sequence[TensorRecord], pieces: Sequence[Piece],
                            attrs: dict[str, dict[str, Any]], *, durable: bool = True,
                            order_groups: Sequence[str] = (),
-                           ready: Callable[[], None] | None = None) -> str:
+                           ready: Callable[[], None] | None = None,
+                           meanwhile: Callable[[], None] | None = None) -> str:
     """Create the file of ``tensors`` at a temporary name next to ``path`` and
     start writing this rank's ``pieces`` (host arrays nobody changes until the
     commit: a `Snapshot`'s) in a thread, once ``ready()`` (the snapshot's
-    `Snapshot.finish`, called before this returns or raises) is done. Collective
-    over ``comm`` (None: this process alone), under its timeout; the save runs
-    on a duplicate of it.
+    `Snapshot.finish`, called before this returns or raises) is done;
+    ``meanwhile()`` (`Snapshot.copy_now`) runs on ranks other than 0 while rank
+    0 creates the file. Collective over ``comm`` (None: this process alone),
+    under its timeout; the save runs on a duplicate of it.
     Returns the absolute path the file will have once committed.
 
     Raises:
@@ -242,7 +254,8 @@ def start_background_write(path: str | os.PathLike, comm: FlatComm | None,
     private = None
     try:
         private = comm.dup("checkpoint") if size > 1 else None
-        pending = _start(final, private, tensors, pieces, attrs, durable, tuple(order_groups))
+        pending = _start(final, private, tensors, pieces, attrs, durable, tuple(order_groups),
+                         meanwhile)
     except BaseException:
         if private is not None:
             private.free()
@@ -261,11 +274,12 @@ def start_background_write(path: str | os.PathLike, comm: FlatComm | None,
 
 def _start(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
            pieces: Sequence[Piece], attrs: dict[str, dict[str, Any]], durable: bool,
-           order_groups: tuple) -> _Pending:
+           order_groups: tuple, meanwhile: Callable[[], None] | None = None) -> _Pending:
     rank = 0 if comm is None else comm.rank
     loose = next((p.tensor.path for p in pieces if not p.data.flags.c_contiguous), None)
     laid = lay_out(final, comm, tensors, pieces, attrs, order_groups,
-                   f"{final}: a piece of {loose} is not contiguous in memory" if loose else None)
+                   f"{final}: a piece of {loose} is not contiguous in memory" if loose else None,
+                   meanwhile)
     chunks = list(pieces)
     pending = _Pending(final, laid, comm, rank, durable, threading.Thread(), threading.Event())
     pending.thread = threading.Thread(target=_work, args=(pending, file_runs(chunks, laid), chunks),

@@ -8,10 +8,12 @@ import sys
 from ..comm import FlatComm
 from ..errors import CheckpointError
 
-__all__ = ["DRIVER_ENV", "agree_error", "resolve_driver"]
+__all__ = ["DRIVERS", "DRIVER_ENV", "agree_error", "resolve_driver"]
 
-#: Environment variable that forces the driver: ``mpio`` or ``serial``.
+#: Environment variable that chooses the driver of ``"auto"``: ``direct``, ``mpio`` or ``serial``.
 DRIVER_ENV = "MPISHARD_CHECKPOINT_DRIVER"
+#: The drivers a checkpoint write takes (``"auto"``: `resolve_driver` decides).
+DRIVERS = ("auto", "direct", "mpio", "serial")
 
 # Exceptions that travel between ranks as themselves; anything else arrives as
 # a CheckpointError carrying the original type's name.
@@ -57,37 +59,38 @@ def _portable(error: BaseException) -> Exception:
 
 
 def resolve_driver(driver: str, size: int, rank: int = 0) -> str:
-    """``"mpio"`` (parallel HDF5) or ``"serial"`` (ranks send to rank 0, which writes).
+    """The driver a checkpoint write with ``driver`` uses: ``"direct"`` (rank 0
+    lays the file out, every rank ``pwrite``s its bytes into it), ``"mpio"``
+    (parallel HDF5) or ``"serial"`` (ranks send to rank 0, which writes).
 
-    ``driver`` is ``"auto"``, ``"mpio"`` or ``"serial"``; with ``"auto"`` the
-    environment variable `DRIVER_ENV` decides if set, else h5py's build.
-    One process always writes alone (``"serial"``: no MPI-IO needed). Falling back
-    because h5py lacks MPI, or being forced to, prints one line on stderr once.
+    ``driver`` is ``"auto"``, ``"direct"``, ``"mpio"`` or ``"serial"``; with
+    ``"auto"`` the environment variable `DRIVER_ENV` decides if set, else
+    ``"direct"`` (it needs no MPI-IO: any h5py, one shared file system). An HDF5
+    driver for one process is ``"serial"`` (no MPI-IO needed). Being forced
+    through rank 0 prints one line on stderr once. Local.
 
     Raises:
         ValueError: an unknown driver, or ``"mpio"`` with an h5py built without MPI.
     """
-    import h5py
-
     chosen = driver
     if driver == "auto":
         chosen = os.environ.get(DRIVER_ENV, "").strip().lower() or "auto"
-    if chosen not in ("auto", "mpio", "serial"):
-        source = DRIVER_ENV if driver == "auto" else "driver"
-        raise ValueError(f"{source} must be 'auto', 'mpio' or 'serial', got {chosen!r}")
-    has_mpi = bool(h5py.get_config().mpi)
-    if chosen == "mpio" and not has_mpi:
+    if driver not in DRIVERS or chosen not in DRIVERS:
+        source = DRIVER_ENV if driver == "auto" and driver in DRIVERS else "driver"
+        raise ValueError(f"{source} must be one of {', '.join(map(repr, DRIVERS))}, "
+                         f"got {chosen!r}")
+    if chosen in ("auto", "direct"):
+        return "direct"
+    import h5py
+
+    if chosen == "mpio" and not h5py.get_config().mpi:
         raise ValueError("driver 'mpio' needs h5py built with MPI; this h5py has no MPI support")
     if size == 1:
-        return "serial"
-    if chosen == "auto" and not has_mpi:
-        _warn_once("h5py was built without MPI: checkpoints are written through rank 0 "
-                   "(same format, less bandwidth)", rank)
         return "serial"
     if chosen == "serial":
         _warn_once(f"checkpoints are written through rank 0 ({DRIVER_ENV} or "
                    f"driver='serial')", rank)
-    return "serial" if chosen == "serial" else "mpio"
+    return chosen
 
 
 def _warn_once(text: str, rank: int) -> None:

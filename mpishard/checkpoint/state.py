@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -72,7 +73,7 @@ from .format import (
     TensorRecord,
 )
 from .read import ReadRequest, open_checkpoint, read_blocks
-from .write import Piece, write_checkpoint_file
+from .write import _ALIGN, _ALIGN_THRESHOLD, Piece, write_checkpoint_file
 
 __all__ = ["Placement", "load_checkpoint", "save_checkpoint"]
 
@@ -193,6 +194,38 @@ def vector_pieces(layout: ParamLayout, place: Placement, group: str, host: np.nd
             out.append(Piece(t, blk, host[at:at + n].reshape(block_shape(blk))))
             at += n
     return out
+
+
+def page_aligned_shares(layout: ParamLayout, place: Placement, itemsize: int) -> list[Range]:
+    """The data group's shares of a replicated vector to write: `shard_ranges`
+    with each boundary moved to the nearest element that starts a 4 KiB page
+    of the file (a whole tensor of at least 64 KiB, whose dataset starts on a
+    page, at a multiple of 4 KiB from its start), so that no two ranks write
+    one page (on a parallel file system, one lock). Any partition gives the
+    same file and checksums. Local (every rank computes the same)."""
+    shares = shard_ranges(layout.size, place.dp_size)
+    cuts = [0]
+    for r in shares[1:]:
+        cuts.append(max(cuts[-1], _page_cut(layout, place, itemsize, r.start)))
+    cuts.append(layout.size)
+    return [Range(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+def _page_cut(layout: ParamLayout, place: Placement, itemsize: int, x: int) -> int:
+    """The element nearest ``x`` starting a page of its dataset (``x`` where
+    none: a small tensor, a tensor-parallel slice, a boundary between tensors)."""
+    found = layout.tensors_in(Range(x, x + 1))
+    if not found:
+        return x
+    spec = found[0]
+    shard = place.shards[spec.name]
+    if (tuple(shard.shape) != tuple(shard.logical_shape)
+            or spec.size * itemsize < _ALIGN_THRESHOLD):
+        return x
+    unit = _ALIGN // math.gcd(_ALIGN, itemsize)
+    below = spec.offset + (x - spec.offset) // unit * unit
+    above = min(below + unit, spec.offset + spec.size)
+    return below if x - below <= above - x else above
 
 
 def vector_requests(info: CheckpointInfo, layout: ParamLayout, place: Placement, group: str,
@@ -337,8 +370,10 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     """
     strategy = as_strategy(optimizer)
     place = Placement.of(model, strategy, comm)
+    # An asynchronous save's call is on the step's path: its memory is counted
+    # without tracemalloc, which made rank 0's HDF5 layout three times as slow.
     with place.world.during(f"save_checkpoint({os.fspath(path)})"), place.file_io(), \
-            _memory_phase(strategy, "save"):
+            _memory_phase(strategy, "save", traced=not asynchronous):
         settle()   # a save in flight is committed (or its failure raised) first
         if asynchronous:
             snap = snapshot()
@@ -347,10 +382,13 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
             except BaseException:
                 snap.finish()
                 raise
-            snap.start()   # the copies go on while the file is agreed on and created
+            # Rank 0's copies go on in a thread while it creates the file; the
+            # others copy in this thread while they wait for it (a helper thread
+            # there would share the cores with this one's polling).
+            snap.start(background=place.world is None or place.world.rank == 0)
             return start_background_write(path, place.world, tensors, pieces, attrs,
                                           durable=durable, order_groups=(PARAMS,),
-                                          ready=snap.finish)
+                                          ready=snap.finish, meanwhile=snap.copy_now)
         tensors, pieces, attrs = _contents(path, model, strategy, place, _local)
         return write_checkpoint_file(path, place.world, tensors, pieces, attrs, driver=driver,
                                      durable=durable, order_groups=(PARAMS,))
@@ -375,9 +413,9 @@ def _contents(path: str | os.PathLike, model: Any, strategy: Any, place: Placeme
     agree_error(world, problem)
     layout: ParamLayout = model.layout
     n = layout.size
-    share = shard_ranges(n, place.dp_size)[place.dp_rank]
     held, params = (Range(0, n), model.params) if strategy is None else strategy.parameter_shard()
     dtype = np.dtype(params.dtype)
+    share = page_aligned_shares(layout, place, dtype.itemsize)[place.dp_rank]
     mine = share if held == Range(0, n) else held   # ZeRO-3: the shard is the share
     tensors = declared(layout, place, PARAMS, dtype)
     pieces = vector_pieces(layout, place, PARAMS,
@@ -652,6 +690,9 @@ def _settings(info: CheckpointInfo, strategy: Any, world: FlatComm | None) -> No
         info.notes.append(f"schedule: taken from the file, {schedule_text(info.schedule)}")
 
 
-def _memory_phase(strategy: StrategyCore | None, name: str) -> AbstractContextManager:
+def _memory_phase(strategy: StrategyCore | None, name: str,
+                  traced: bool = True) -> AbstractContextManager:
     """The strategy's memory phase ``name`` (``memory_report``), or nothing."""
-    return strategy.memory_phase(name) if strategy is not None else nullcontext()
+    if strategy is None:
+        return nullcontext()
+    return strategy.memory_phase(name) if traced else strategy.memory_phase(name, traced=False)

@@ -23,9 +23,12 @@ Order of a save (collective over ``comm``), by driver:
    sparse until written), a zero ``checksum`` attribute on each; it broadcasts
    the name and every dataset's file offset, and every rank opens the file;
 3. each rank writes its pieces' bytes at those offsets with ``os.pwrite``
-   (16 MiB calls; a flat vector's share is one run per tensor, merged across
-   tensors where they are adjacent in the file and in memory), while a helper
-   thread checksums them, then ``fsync``s; no MPI-IO, no HDF5 in the data path;
+   (16 MiB calls, each after a run's first starting on a 4 KiB page of the
+   file; a flat vector's share is one run per tensor, merged across tensors
+   where they are adjacent in the file and in memory; a replicated vector's
+   shares end on pages, so no two ranks write one page of a large dataset),
+   while a helper thread checksums them, then ``fsync``s (but rank 0, whose
+   seal's ``fsync`` covers the file); no MPI-IO, no HDF5 in the data path;
 4. one ``Allreduce`` adds the partial checksums; rank 0 puts them in place
    (same size: the file's layout does not move), seals the user block,
    fsyncs, renames to ``path`` and fsyncs the folder.
@@ -77,7 +80,7 @@ from ..comm import FlatComm, hdf5_deadline
 from ..errors import CheckpointError
 from .blocks import Block, block_shape, block_size, split_block
 from .checksum import Checksum, block_checksum
-from .collective import DRIVER_ENV, agree_error, resolve_driver
+from .collective import DRIVERS, agree_error, resolve_driver
 from .container import seal_file, seal_image, userblock_size_for
 from .format import TensorRecord, check_tensor_name
 
@@ -87,6 +90,7 @@ __all__ = [
     "LaidOut",
     "Piece",
     "TEMP_MARK",
+    "aligned_chunks",
     "block_runs",
     "choose_driver",
     "file_runs",
@@ -100,8 +104,6 @@ __all__ = [
 
 #: Pieces are written, sent and checksummed in chunks of at most this many bytes.
 CHUNK_BYTES = 16 << 20
-#: The drivers of `write_checkpoint_file`.
-DRIVERS = ("auto", "direct", "mpio", "serial")
 #: Temporary files are ``<final name>.tmp-<hex>``.
 TEMP_MARK = ".tmp-"
 #: HDF5 file format bounds: 1.8 object headers (dense attributes for long JSON),
@@ -287,21 +289,13 @@ def write_checkpoint_file(path: str | os.PathLike, comm: FlatComm | None,
 
 
 def choose_driver(driver: str, size: int, rank: int = 0) -> str:
-    """``"direct"``, ``"mpio"`` or ``"serial"``: ``"auto"`` is ``"direct"``
-    unless `DRIVER_ENV` names another driver, which
-    [`resolve_driver`][mpishard.checkpoint.collective.resolve_driver] then checks
-    (the HDF5 drivers, with its fallback and warning). Local.
+    """The driver a write with ``driver`` uses: ``"direct"``, ``"mpio"`` or
+    ``"serial"`` ([`resolve_driver`][mpishard.checkpoint.collective.resolve_driver],
+    the one answer). Local.
 
     Raises:
         ValueError: an unknown driver, or ``"mpio"`` with an h5py built without MPI.
     """
-    if driver not in DRIVERS:
-        raise ValueError(f"driver must be one of {', '.join(map(repr, DRIVERS))}, "
-                         f"got {driver!r}")
-    if driver == "direct":
-        return "direct"
-    if driver == "auto" and os.environ.get(DRIVER_ENV, "").strip().lower() in ("", "direct"):
-        return "direct"
     return resolve_driver(driver, size, rank)
 
 
@@ -575,10 +569,12 @@ class LaidOut:
 
 def lay_out(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
             pieces: Sequence[Piece], attrs: dict[str, dict[str, Any]],
-            order_groups: Sequence[str], local_problem: str | None = None) -> LaidOut:
+            order_groups: Sequence[str], local_problem: str | None = None,
+            meanwhile: Any = None) -> LaidOut:
     """Agree on the datasets (`plan_datasets`), let rank 0 create the file at
     a temporary name next to ``final`` (serial h5py: kilobytes of metadata, no
-    MPI-IO), broadcast its name and offsets, and open it on every rank.
+    MPI-IO), broadcast its name and offsets, and open it on every rank; the
+    other ranks call ``meanwhile()`` (if given) while rank 0 creates the file.
     Collective over ``comm``.
 
     Raises:
@@ -593,6 +589,8 @@ def lay_out(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
     created = None
     if rank == 0:   # rank 0's attributes, as under mpio
         created = _create_file(final, ordered, _with_order(attrs, ordered, order_groups), ub)
+    elif meanwhile is not None:
+        meanwhile()
     created = comm.bcast(created, root=0) if size > 1 else created
     tmp, offsets, problem = created
     if problem:   # every rank has rank 0's message: no agreement needed
@@ -718,13 +716,28 @@ def file_runs(pieces: Sequence[Piece], laid: LaidOut) -> list[tuple[int, memoryv
     return out
 
 
+def aligned_chunks(offset: int, length: int, piece: int = CHUNK_BYTES,
+                   align: int = _ALIGN) -> list[tuple[int, int]]:
+    """``(start, stop)`` byte ranges of a run of ``length`` bytes at file
+    offset ``offset``, at most ``piece`` bytes each: a head up to the first
+    ``align`` boundary of the file where the run starts between two, then
+    pieces that all start on one (``piece`` a multiple of ``align``), so that
+    only the run's first and last pages are written in part."""
+    head = min(length, (-offset) % align) if piece % align == 0 else 0
+    cuts = [0, head] if head else [0]
+    cuts += range(head + piece, length, piece)
+    return [(a, b) for a, b in zip(cuts, [*cuts[1:], length]) if b > a]
+
+
 def pwrite_runs(fd: int, runs: Sequence[tuple[int, memoryview]], piece: int = CHUNK_BYTES,
                 after: Any = None) -> None:
-    """Write ``runs`` at their offsets, ``piece`` bytes per call; ``after(n)``
-    after each call that wrote ``n`` bytes. POSIX only: no MPI, no HDF5."""
+    """Write ``runs`` at their offsets, at most ``piece`` bytes per call, each
+    call after a run's first starting on a 4 KiB boundary of the file
+    (`aligned_chunks`); ``after(n)`` after each call that wrote ``n`` bytes.
+    POSIX only: no MPI, no HDF5."""
     for offset, data in runs:
-        for at in range(0, len(data), piece):
-            chunk, where = data[at:at + piece], offset + at
+        for at, stop in aligned_chunks(offset, len(data), piece):
+            chunk, where = data[at:stop], offset + at
             n = len(chunk)
             while len(chunk):
                 wrote = os.pwrite(fd, chunk, where)
@@ -787,6 +800,7 @@ def _write_direct(final: str, comm: FlatComm | None, tensors: Sequence[TensorRec
                                                        np.ascontiguousarray(p.data))
              for p in pieces]
     laid = lay_out(final, comm, tensors, dense, attrs, order_groups)
+    rank = 0 if comm is None else comm.rank
     count = len(laid.ordered)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpishard-checksum")
     error, table = None, None
@@ -795,11 +809,12 @@ def _write_direct(final: str, comm: FlatComm | None, tensors: Sequence[TensorRec
         sums = pool.submit(_checksums, dense, laid.index, count)
         try:
             pwrite_runs(laid.fd, file_runs(dense, laid), after=writeback.wrote)
-            if durable:
+            if durable and rank != 0:
+                # Rank 0's data is made durable by the fsync of the seal (the
+                # same file, from the same node): one fsync less there.
                 os.fsync(laid.fd)
         except Exception as exc:
-            error = CheckpointError(f"{laid.tmp}: writing failed on rank "
-                                    f"{0 if comm is None else comm.rank}: {exc}")
+            error = CheckpointError(f"{laid.tmp}: writing failed on rank {rank}: {exc}")
         try:
             table = np.array([s.to_array() for s in sums.result()],
                              dtype=np.uint64).reshape(count, 2)

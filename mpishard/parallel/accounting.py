@@ -58,10 +58,12 @@ class Accounting:
         report.update(self.memory_phases.report())
         return report
 
-    def memory_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+    def memory_phase(self, name: str,
+                     traced: bool = True) -> contextlib.AbstractContextManager[None]:
         """Count the ``with`` block's memory as phase ``name`` of ``memory_report``
-        (``"save"``, ``"load"``, ``"recovery"``, ...). Local."""
-        return self.memory_phases.phase(name)
+        (``"save"``, ``"load"``, ``"recovery"``, ...); ``traced=False``: without
+        ``tracemalloc``, which slows every allocation. Local."""
+        return self.memory_phases.phase(name, traced)
 
     def note_peak(self, extra: int = 0) -> None:
         """Count what is held now, and ``extra`` bytes more held for a while, in the peak."""

@@ -107,8 +107,9 @@ class PhaseMemory:
         """The phase open now (None: none)."""
         return self._open
 
-    def begin(self, name: str) -> None:
-        """Open phase ``name`` (ending another); nothing when it is open already."""
+    def begin(self, name: str, traced: bool = True) -> None:
+        """Open phase ``name`` (ending another); nothing when it is open already.
+        ``traced=False``: no ``tracemalloc`` (no ``allocated_<name>``)."""
         if self._open == name:
             return
         self.end()
@@ -117,7 +118,7 @@ class PhaseMemory:
         self._open, self._bytes = name, self.current()
         reset_peak_rss()
         self._traced_base = None
-        if name != "step":      # tracing slows every allocation: not in the steps
+        if name != "step" and traced:   # tracing slows every allocation: not in the steps
             self._started_tracing = not tracemalloc.is_tracing()
             if self._started_tracing:
                 tracemalloc.start()
@@ -137,12 +138,12 @@ class PhaseMemory:
             kept[key] = max(kept.get(key, 0), value)
         self._open = None
 
-    def enter(self, name: str) -> bool:
+    def enter(self, name: str, traced: bool = True) -> bool:
         """Open ``name`` unless another phase than ``"step"`` is open (the work
         counts in that one); whether it opened (for ``leave``)."""
         if self._open is not None and self._open != "step":
             return False
-        self.begin(name)
+        self.begin(name, traced)
         return True
 
     def leave(self, opened: bool) -> None:
@@ -151,10 +152,11 @@ class PhaseMemory:
             self.end()
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str, traced: bool = True) -> Iterator[None]:
         """``name`` for the ``with`` block; inside another phase (not ``"step"``)
-        the block counts in that one (an attach inside a load is the load's)."""
-        opened = self.enter(name)
+        the block counts in that one (an attach inside a load is the load's).
+        ``traced=False``: no ``tracemalloc`` (an asynchronous save's call)."""
+        opened = self.enter(name, traced)
         try:
             yield
         finally:

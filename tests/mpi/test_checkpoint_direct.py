@@ -22,7 +22,7 @@ from worlds import batch_splits
 from mpishard import CheckpointError
 from mpishard.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from mpishard.checkpoint import write as checkpoint_write
-from mpishard.checkpoint.collective import DRIVER_ENV
+from mpishard.checkpoint.collective import DRIVER_ENV, resolve_driver
 
 pytestmark = [pytest.mark.mpi, batch_splits(24)]
 
@@ -78,6 +78,16 @@ def test_auto_is_direct_unless_the_environment_names_a_driver(monkeypatch):
     assert checkpoint_write.choose_driver("auto", 4) == "direct"
     with pytest.raises(ValueError, match="'auto', 'direct', 'mpio', 'serial'.*'posix'"):
         checkpoint_write.choose_driver("posix", 4)
+    # Every public answer is the driver used: resolve_driver and `mpishard info`.
+    from mpishard.cli import environment_info
+
+    assert resolve_driver("auto", 4) == "direct"
+    assert environment_info()["checkpoint_driver"] == f"direct ({DRIVER_ENV}={'direct'})"
+    monkeypatch.delenv(DRIVER_ENV)
+    assert environment_info()["checkpoint_driver"] == f"direct ({DRIVER_ENV} unset)"
+    monkeypatch.setenv(DRIVER_ENV, "serial")
+    assert resolve_driver("auto", 2) == checkpoint_write.choose_driver("auto", 2) == "serial"
+    assert environment_info()["checkpoint_driver"].startswith("serial ")
 
 
 def test_failed_direct_write_is_raised_on_every_rank(mpi_tmp_path, monkeypatch):
@@ -95,3 +105,42 @@ def test_failed_direct_write_is_raised_on_every_rank(mpi_tmp_path, monkeypatch):
     assert not os.path.exists(mpi_tmp_path / "bad.h5")
     assert not [n for n in os.listdir(mpi_tmp_path) if ".tmp-" in n]
     load_checkpoint(good, model, strategy)   # the previous one is untouched
+
+
+def test_no_two_ranks_write_one_page_of_a_large_dataset(mpi_tmp_path, monkeypatch):
+    """DDP's replicated vectors: each rank's share ends where a 4 KiB page of the
+    file begins (the shares of `shard_ranges` cut the 2 MiB weight mid-page), and
+    every ``pwrite`` after a run's first starts on a page."""
+    from mpishard import ShardingConfiguration
+    from mpishard.nn import MLP
+    from mpishard.optim import Adam
+    from mpishard.strategies import DDPOptimizer
+
+    model = MLP([64, 512, 512, 10], activation="tanh", seed=3, dtype=np.float64)
+    strategy = DDPOptimizer(Adam(lr=1e-3), ShardingConfiguration(WORLD))
+    strategy.attach(model)
+    calls = []
+    real = checkpoint_write.os.pwrite
+
+    def recording(fd, data, offset):
+        calls.append((offset, len(data)))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(checkpoint_write.os, "pwrite", recording)
+    path = save_checkpoint(mpi_tmp_path / "pages.h5", model, strategy, driver="direct")
+    monkeypatch.undo()
+    every = WORLD.allgather(calls)
+    if WORLD.rank == 0:
+        with h5py.File(path, "r") as f:
+            large = [(f[p].id.get_offset(), f[p].id.get_storage_size())
+                     for p in ("params/0.weight", "params/2.weight", "optimizer/exp_avg/2.weight")]
+        owner = {}
+        for rank, writes in enumerate(every):
+            for offset, n in writes:
+                for page in range(offset // 4096, (offset + n - 1) // 4096 + 1):
+                    if any(a // 4096 <= page <= (a + s - 1) // 4096 for a, s in large):
+                        assert owner.setdefault(page, rank) == rank, (page, owner[page], rank)
+    verify_checkpoint(path) if WORLD.rank == 0 else None
+    assert checkpoint_write.aligned_chunks(100, 10000, 4096) == [(0, 3996), (3996, 8092),
+                                                                 (8092, 10000)]
+    assert checkpoint_write.aligned_chunks(8192, 10, 4096) == [(0, 10)]
