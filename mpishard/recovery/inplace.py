@@ -12,6 +12,7 @@ from ..config import ShardingConfiguration
 from ..errors import HandOver, InexactRecoveryWarning
 from ..exitcodes import EXIT_STOPPED
 from ..flat import Range, shard_ranges
+from ..parallel.reduction import recalling_reducers
 from ..protocols import RecoverableCore, StrategyCore
 from .common import Recovered, StepMarks, error_text, put_state, survivors_config
 from .replicas import drop_replicas
@@ -94,7 +95,8 @@ def recover_in_place(core: StrategyCore, exc: BaseException | None = None, *,
     if not sharded:
         state = core.state
         world.Bcast(model.params, root=rec.source)
-        core.rebuild(config)
+        with recalling_reducers():     # every rank holds the parameters: not sent again
+            core.rebuild(config, agreed=True)
         put_state(core, None, state, world, rec.source)
     elif pieces is not None:
         _resplit_rebuild(core, config, pieces, moved)
@@ -156,7 +158,8 @@ def _resplit_rebuild(core: RecoverableCore, config: ShardingConfiguration,
         # made (``rebuild`` drops the old layout's own buffers).
         pieces[:] = [(r, {k: v for k, v in arrays.items() if k != "params"})
                      for r, arrays in pieces]
-        core.rebuild(config, shard=params.pop("params"))    # kept as the new shard
+        with recalling_reducers():
+            core.rebuild(config, shard=params.pop("params"))    # kept as the new shard
         resplit(dp, pieces, new, dtypes, xp, moved, out=core.state)
         pieces.clear()                 # the old state shards, moved too
         return
@@ -164,7 +167,8 @@ def _resplit_rebuild(core: RecoverableCore, config: ShardingConfiguration,
             out={"params": model.params[new.start:new.stop]})
     if dp.size > 1:
         dp.Allgatherv(model.params, [len(s) for s in shards], slot="recovery")
-    core.rebuild(config)
+    with recalling_reducers():         # every rank holds the parameters: not sent again
+        core.rebuild(config, agreed=True)
     resplit(dp, pieces, new, dtypes, xp, moved, out=core.state)
 
 
