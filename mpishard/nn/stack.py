@@ -496,6 +496,9 @@ class LayerStack:
         key = (train, int(micro))
         ws = self._workspaces.get(key)
         if ws is None or ws.shape != tuple(x.shape):
+            # Another shape (a recovery re-split the batch): the old one goes first.
+            self._workspaces.pop(key, None)
+            ws = None
             ws = self._workspaces[key] = self._make_workspace(tuple(x.shape), train)
         ws.x[...] = x
         return ws

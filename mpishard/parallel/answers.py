@@ -88,11 +88,24 @@ class RecoveryAnswers:
             elif self.placement.gather is not None:
                 self.placement.gather.drop()             # the old group may be broken
         self._release()
+        self._shed()
         self._over(config)
         self.model = None
         if model is not None:
             self._attach(model, shard if model.params is None else None, agreed=agreed)
         self.memory_phases.leave(opened)
+
+    def _shed(self) -> None:
+        """Drop what the old layout held (the gradient shard, the gradient and
+        gather buckets, the parameter and state shards) before the new one is
+        allocated: a recovery's peak is then the new layout and what it moves,
+        not both layouts. The model's views of the old buckets go when it is
+        bound to the new ones. The reduction stays (its choices are kept). Local."""
+        if self.reduction is not None:
+            self.reduction.shed()
+        self.placement = None
+        self.buckets = None
+        self._sums = self._repro = None
 
     def _release(self) -> None:
         """Free what the parts made on the old groups."""

@@ -109,6 +109,13 @@ class GradientReduction:
         """How ``overlap="auto"``'s stand-in buckets are reduced."""
         return "allreduce"
 
+    def shed(self) -> None:
+        """Drop the buffers and the model this reduction holds, keeping what it
+        chose (a rebuild makes new buffers and may read the choice): after
+        ``release``, before the new layout allocates. Local."""
+        self.buckets = None
+        self.model = None
+
     def plan_buckets(self, model: Any, xp: Any, options: Any, scales_loss: bool,
                      step_group: FlatComm, record: dict[str, Any], *,
                      dtype: Any) -> GradientBuckets:
@@ -402,6 +409,12 @@ class ReducedToShards(GradientReduction):
         again = cls(config, old.method)
         again.method_timings = old.method_timings
         return again
+
+    def shed(self) -> None:
+        super().shed()
+        self.shard_grad = None
+        self._scratch = None
+        self._words = None
 
     def probe_kind(self) -> str:
         # overlap="auto" is decided before method="auto" (which is measured

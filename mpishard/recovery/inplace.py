@@ -12,6 +12,7 @@ from ..config import ShardingConfiguration
 from ..errors import HandOver, InexactRecoveryWarning
 from ..exitcodes import EXIT_STOPPED
 from ..flat import Range, shard_ranges
+from ..parallel.reduction import recalling_reducers
 from ..protocols import RecoverableCore, StrategyCore
 from .common import Recovered, StepMarks, error_text, put_state, survivors_config
 from .replicas import drop_replicas
@@ -85,7 +86,6 @@ def recover_in_place(core: StrategyCore, exc: BaseException | None = None, *,
         step, pieces = _sharded_pieces(core, buddy, rec, checkpoints)
     config = survivors_config(old, rec.world.comm)
     world = config.groups.world
-    state = core.state
     marks = marks if marks is not None else StepMarks(core.step_count, core.skipped_steps,
                                                        core.data_position)
     skipped, position = marks.agreed(world, core, step, world.allgather(core.step_count),
@@ -93,8 +93,10 @@ def recover_in_place(core: StrategyCore, exc: BaseException | None = None, *,
     moved = Moved()
     rolled_back = None
     if not sharded:
+        state = core.state
         world.Bcast(model.params, root=rec.source)
-        core.rebuild(config)
+        with recalling_reducers():     # every rank holds the parameters: not sent again
+            core.rebuild(config, agreed=True)
         put_state(core, None, state, world, rec.source)
     elif pieces is not None:
         _resplit_rebuild(core, config, pieces, moved)
@@ -152,14 +154,21 @@ def _resplit_rebuild(core: RecoverableCore, config: ShardingConfiguration,
     dtypes = {name: value.dtype for name, value in pieces[0][1].items()}
     if model.params is None:           # sharded parameters: rebuilt sharded
         params = resplit(dp, pieces, new, {"params": dtypes.pop("params")}, xp, moved)
-        core.rebuild(config, shard=params["params"])    # kept as the new shard
+        # The old parameter shards are moved: dropped before the new layout is
+        # made (``rebuild`` drops the old layout's own buffers).
+        pieces[:] = [(r, {k: v for k, v in arrays.items() if k != "params"})
+                     for r, arrays in pieces]
+        with recalling_reducers():
+            core.rebuild(config, shard=params.pop("params"))    # kept as the new shard
         resplit(dp, pieces, new, dtypes, xp, moved, out=core.state)
+        pieces.clear()                 # the old state shards, moved too
         return
     resplit(dp, pieces, new, {"params": dtypes.pop("params")}, xp, moved,
             out={"params": model.params[new.start:new.stop]})
     if dp.size > 1:
         dp.Allgatherv(model.params, [len(s) for s in shards], slot="recovery")
-    core.rebuild(config)
+    with recalling_reducers():         # every rank holds the parameters: not sent again
+        core.rebuild(config, agreed=True)
     resplit(dp, pieces, new, dtypes, xp, moved, out=core.state)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +79,11 @@ class RecoveryPolicy:
                 dropped (exit 0).
         """
         pool = self.core.config.spare_pool
+        if ulfm.is_failure(exc):
+            # The failed step's frames (the old layout's placement, gathers and
+            # shards in their locals) would live as long as the exception: the
+            # recovery frees that layout, so they go now (the message stays).
+            traceback.clear_frames(exc.__traceback__)
         try:
             if pool is not None and pool.count:   # spares take the lost ranks' places
                 _, event = promote_spares(self.core, exc, buddy=self.buddy, marks=self.marks)

@@ -82,6 +82,7 @@ class ShardBuddy:
         self.steps = [-1, -1]       # the step each copy holds (-1: none, or being received)
         self.completed = -1         # the last step exchanged (sent and received) here
         self.seconds = 0.0
+        self._dropped = 0           # bytes the copies held before ``keep_only``
         if self.active:
             strategy.placement.keep_previous_step()
             self.exchange()
@@ -95,12 +96,22 @@ class ShardBuddy:
     def nbytes(self) -> int:
         """Bytes of the copies (the neighbour's two and the own one before the update)."""
         own = self.sharded.previous
-        return (sum(v.nbytes for copy in self.copies for v in copy.values())
-                + (sum(v.nbytes for v in own.values()) if own else 0))
+        return max(self._dropped,
+                   sum(v.nbytes for copy in self.copies for v in copy.values())
+                   + (sum(v.nbytes for v in own.values()) if own else 0))
 
     def copy_of(self, step: int) -> dict[str, Any] | None:
         """The copy of the neighbour's shard at ``step``, or None. Local."""
         return self.copies[self.steps.index(step)] if step in self.steps else None
+
+    def keep_only(self, step: int) -> None:
+        """Drop every copy but the one of ``step`` (a recovery moves that one
+        from here; the others are not needed any more); ``nbytes`` still says
+        what they cost. Local."""
+        self._dropped = self.nbytes
+        self.copies = [copy if self.steps[k] == step else {}
+                       for k, copy in enumerate(self.copies)]
+        self.steps = [s if s == step else -1 for s in self.steps]
 
     def exchange(self) -> None:
         """After a step: send my state shard to the left neighbour, receive the
@@ -199,6 +210,10 @@ def sharded_pieces(strategy: RecoverableCore, buddy: ShardBuddy | None, group: F
         xp = strategy.xp     # the copy is in host memory: to the state's library
         copy = {name: xp.asarray(value) for name, value in buddy.copy_of(step).items()}
         pieces.append((sharded.shards[buddy.holds], copy))
+    if buddy is not None:
+        buddy.keep_only(step)
+    if own is not sharded.previous:
+        sharded.previous = None   # the copy from before the update is not needed
     return pieces
 
 
