@@ -99,7 +99,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("spares", "int", None, "the last N ranks of the job are spare ranks (needs "
            "fault tolerance, mpirun --with-ft ulfm): they wait, sleeping, and take the "
            "place and state of lost ranks so the job goes on at full size (ddp, zero2, "
-           "zero3); released at the end (default: mpishard run --spares, else 0)", _G_PAR,
+           "zero3, and hybrid layouts with 2 or more data-parallel replicas); released "
+           "at the end (default: mpishard run --spares, else 0)", _G_PAR,
            metavar="N"),
     Option("d_model", "int", 64, "GPT width", _G_MODEL),
     Option("heads", "int", 4, "GPT attention heads", _G_MODEL),
