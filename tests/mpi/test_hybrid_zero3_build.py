@@ -70,7 +70,8 @@ def bits(a):
     return np.ascontiguousarray(a).view(np.uint8)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"tp{t[0]}-pp{t[1]}-dp{t[2]}")
+@pytest.mark.parametrize("layout", LAYOUTS,
+                         ids=lambda t: f"tp{t[0]}-pp{t[1]}-dp{t[2]}" if t else "none")
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])
 def test_built_in_shards_is_the_whole_construction_bit_for_bit(layout, kind):
     factory = FACTORIES[kind]
