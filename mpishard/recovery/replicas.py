@@ -89,12 +89,7 @@ def drop_replicas(strategy: RecoverableCore, rec: ulfm.Survivors, *,
     """
     t0 = time.perf_counter()
     world = rec.world
-    model = strategy.model
-    world.agree(None if isinstance(strategy, RecoverableCore) and strategy.drops_replicas
-                and strategy.recovery_problem() is None else
-                f"drop_replicas needs a hybrid core attached to a "
-                f"HybridShardedModel, got {type(strategy).__name__} with "
-                f"{type(model).__name__}", TypeError)
+    _check_attached(strategy, world)
     old = strategy.config
     topo = old.topology
     me = old.groups.coordinates
@@ -105,7 +100,6 @@ def drop_replicas(strategy: RecoverableCore, rec: ulfm.Survivors, *,
     # at attach over the world (a hybrid strategy's step group), while all were alive.
     to_comm_world = [w for _, w in strategy.totals.who]
     lost_by_replica = {d: [to_comm_world[r] for r in lost] for d, lost in broken.items()}
-    zero2 = strategy.placement.recovery == "sharded"     # ZeRO-3's shards too
 
     def hand_over(why: str) -> HandOver:
         return HandOver(f"cannot recover in place: {why}; restart from a checkpoint",
@@ -116,15 +110,7 @@ def drop_replicas(strategy: RecoverableCore, rec: ulfm.Survivors, *,
                          for d, lost in sorted(lost_by_replica.items()))
         raise hand_over(f"no model replica is whole ({what}) in a layout with "
                         f"tensor_parallel_size={topo.tp} and pipeline_parallel_size={topo.pp}")
-    full, root, group = None, 0, None
-    # ZeRO-3's parameters are sharded (params None): moved shard to shard.
-    resplits = zero2 and model.params is None
-    if resplits:
-        step, group = _sharded_step(strategy, buddy, world, me, hand_over)
-    elif zero2:
-        step, full = _zero2_rebuild(strategy, buddy, world, me, hand_over)
-    else:
-        step, root = _ddp_step(every, kept, me, hand_over)
+    step, full, root, group = _step_to_go_on(strategy, buddy, world, every, kept, hand_over)
     # Skipped steps and the data position at that step: a survivor's mark of it,
     # else the own ones of a survivor that is at that step (of rec.source otherwise).
     marks = marks if marks is not None else StepMarks(
@@ -141,10 +127,7 @@ def drop_replicas(strategy: RecoverableCore, rec: ulfm.Survivors, *,
         finally:
             group.free()
     if not mine_kept:
-        raise HandOver(f"world rank {world_rank()} (host {socket.gethostname()}): dropped "
-                       f"with replica {me.dp}, which lost world rank(s) "
-                       f"{lost_by_replica[me.dp]}; {len(kept) * topo.tp * topo.pp} ranks go on",
-                       exit_code=0, speaker=True)
+        raise _dropped(me.dp, lost_by_replica[me.dp], len(kept) * topo.tp * topo.pp)
     dropped = sorted(to_comm_world[r] for r, d, *_ in every if d not in kept)
 
     if group is None:
@@ -158,6 +141,42 @@ def drop_replicas(strategy: RecoverableCore, rec: ulfm.Survivors, *,
                      error=error_text(exc), dropped_ranks=dropped,
                      data_parallel_size=config.topology.dp,
                      moved_bytes=moved.bytes if group is not None else None)
+
+
+def _check_attached(strategy: Any, world: FlatComm) -> None:
+    """A TypeError on every rank of ``world`` unless ``strategy`` is a hybrid core
+    attached to a ``HybridShardedModel``. Collective over ``world``."""
+    world.agree(None if isinstance(strategy, RecoverableCore) and strategy.drops_replicas
+                and strategy.recovery_problem() is None else
+                f"drop_replicas needs a hybrid core attached to a "
+                f"HybridShardedModel, got {type(strategy).__name__} with "
+                f"{type(strategy.model).__name__}", TypeError)
+
+
+def _step_to_go_on(strategy: RecoverableCore, buddy: ShardBuddy | None, world: FlatComm,
+                   every: list[tuple[int, ...]], kept: list[int],
+                   hand_over: Callable[[str], HandOver]
+                   ) -> tuple[int, tuple[Any, Any] | None, int, FlatComm | None]:
+    """The step the kept replicas go on from, and what brings them there:
+    ``(step, full, root, group)``: ZeRO-2's whole state (``full``), hybrid DDP's
+    source rank (``root``), ZeRO-3's group of survivors moving shards (``group``).
+    Collective over ``world``."""
+    me = strategy.config.groups.coordinates
+    if strategy.placement.recovery != "sharded":
+        step, root = _ddp_step(every, kept, me, hand_over)
+        return step, None, root, None
+    if strategy.model.params is None:   # ZeRO-3's shards: moved shard to shard
+        step, group = _sharded_step(strategy, buddy, world, me, hand_over)
+        return step, None, 0, group
+    step, full = _zero2_rebuild(strategy, buddy, world, me, hand_over)
+    return step, full, 0, None
+
+
+def _dropped(replica: int, lost: list[int], going_on: int) -> HandOver:
+    """What a dropped replica's alive rank raises (exit 0, it speaks for itself)."""
+    return HandOver(f"world rank {world_rank()} (host {socket.gethostname()}): dropped "
+                    f"with replica {replica}, which lost world rank(s) {lost}; "
+                    f"{going_on} ranks go on", exit_code=0, speaker=True)
 
 
 def _rebuild_kept(strategy: RecoverableCore, config: Any, full: tuple[Any, Any] | None,
