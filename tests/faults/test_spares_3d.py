@@ -141,6 +141,19 @@ def _draw(name):
         ["between", "backward"]))
 
 
+def _hand_over_lines(job):
+    """The ``[mpishard]`` lines of a job that handed over: exit 75, no traceback."""
+    out = job.stdout
+    assert job.returncode in (75, None), out
+    assert "Traceback" not in out and "NOT REACHED" not in out, out
+    return [line for line in out.splitlines() if line.startswith("[mpishard]")]
+
+
+def _hands_over_saying(job, line):
+    """The job handed over (exit 75) with exactly this one ``[mpishard]`` line."""
+    assert _hand_over_lines(job) == [line], job.stdout
+
+
 @pytest.mark.parametrize("strategy,repro", [("ddp", True), ("zero2", False), ("zero3", True)])
 def test_a_spare_takes_a_tensor_ranks_place_in_a_3d_layout(strategy, repro):
     _ft_or_skip()
@@ -182,15 +195,13 @@ def test_a_rank_lost_while_the_3d_state_is_sent_ends_with_one_line():
     _ft_or_skip()
     job = ulfm_job(9, _code("ddp", [(1, 2, "between")], in_promotion=6), timeout=150)
     out = job.stdout
-    assert job.returncode in (75, None), out
-    lines = [line for line in out.splitlines() if line.startswith("[mpishard]")]
+    lines = _hand_over_lines(job)
     assert len(lines) == 1, out
     assert re.fullmatch(
         r"\[mpishard\] train: a rank was lost while spare world rank\(s\) \[8\] took the "
         r"place\(s\) of lost training rank\(s\) \[1\] \(world rank\(s\) \[1\]\): "
         r"MPI_ERR_(PROC_FAILED|REVOKED): .*; restart from a checkpoint; exiting with 75 to "
         r"be relaunched", lines[0]), out
-    assert "Traceback" not in out and "NOT REACHED" not in out, out
 
 
 def test_a_single_replica_3d_layout_hands_over_naming_the_lost_rank():
@@ -198,15 +209,11 @@ def test_a_single_replica_3d_layout_hands_over_naming_the_lost_rank():
     # is not promoted, every rank leaves with 75, one line says why.
     _ft_or_skip()
     job = ulfm_job(5, _code("ddp", [(2, 3, "between")], in_promotion=-1), timeout=120)
-    out = job.stdout
-    assert job.returncode in (75, None), out
-    lines = [line for line in out.splitlines() if line.startswith("[mpishard]")]
-    assert lines == [
+    _hands_over_saying(job, (
         "[mpishard] train: lost world rank(s) [2] after step 3, spares not promoted: the "
         "layout has tensor_parallel_size=2, pipeline_parallel_size=2 and "
         "data_parallel_size=1: the lost rank held a piece of the only model replica; "
-        "exiting with 75 to be relaunched"], out
-    assert "Traceback" not in out and "NOT REACHED" not in out, out
+        "exiting with 75 to be relaunched"))
 
 
 def test_two_ranks_lost_with_one_spare_hand_over_naming_them():
@@ -215,14 +222,10 @@ def test_two_ranks_lost_with_one_spare_hand_over_naming_them():
     _ft_or_skip()
     job = ulfm_job(9, _code("ddp", [(1, 3, "between"), (6, 3, "between")], in_promotion=-1),
                    timeout=120)
-    out = job.stdout
-    assert job.returncode in (75, None), out
-    lines = [line for line in out.splitlines() if line.startswith("[mpishard]")]
-    assert lines == [
+    _hands_over_saying(job, (
         "[mpishard] train: lost world rank(s) [1, 6] after step 3, spares not promoted: 2 "
         "training rank(s) lost, 1 spare(s) alive: a 3D layout needs a spare for each lost "
-        "rank; exiting with 75 to be relaunched"], out
-    assert "Traceback" not in out and "NOT REACHED" not in out, out
+        "rank; exiting with 75 to be relaunched"))
 
 
 def test_the_spare_used_then_one_more_loss_drops_the_broken_replica():
@@ -256,14 +259,10 @@ def test_the_spare_lost_while_waiting_then_a_loss_hands_over_naming_it():
     _ft_or_skip()
     job = ulfm_job(9, _code("ddp", [(8, 1, "waiting"), (1, 3, "between")], in_promotion=-1),
                    timeout=120)
-    out = job.stdout
-    assert job.returncode in (75, None), out
-    lines = [line for line in out.splitlines() if line.startswith("[mpishard]")]
-    assert lines == [
+    _hands_over_saying(job, (
         "[mpishard] train: lost world rank(s) [1] after step 3, spares not promoted: 1 "
         "training rank(s) lost, 0 spare(s) alive: a 3D layout needs a spare for each lost "
-        "rank; exiting with 75 to be relaunched"], out
-    assert "Traceback" not in out and "NOT REACHED" not in out, out
+        "rank; exiting with 75 to be relaunched"))
 
 
 def test_the_newest_step_every_slice_holds_and_its_sources():
