@@ -83,26 +83,8 @@ class HybridShardedModel:
                 pipeline_parallel_size=pipeline_parallel_size or 1,
                 data_parallel_size=data_parallel_size or -1)
         topo = config.topology
-        asked = {"pipeline_parallel_size": (pipeline_parallel_size, topo.pp),
-                 "tensor_parallel_size": (tensor_parallel_size, topo.tp),
-                 "data_parallel_size": (data_parallel_size, topo.dp)}
-        clash = [f"{k}={a} but the configuration has {b}" for k, (a, b) in asked.items()
-                 if a not in (None, -1, b)]
-        config.world.agree("; ".join(clash) or None, TopologyError)
-        problem = None
-        if schedule not in SCHEDULES:
-            problem = (f"unknown pipeline schedule {schedule!r}: choose one of "
-                       f"{', '.join(SCHEDULES)}")
-        elif (not isinstance(micro_batches, numbers.Integral) or isinstance(micro_batches, bool)
-              or micro_batches < 1):
-            problem = f"micro_batches must be a positive integer, got {micro_batches!r}"
-        dp = config.groups.dp
-        if problem is None and shard is not None and \
-                (shard.rank, shard.ranks) != (dp.rank, dp.size):
-            problem = (f"shard=ParameterShard({shard.rank}, {shard.ranks}) but this rank is "
-                       f"data-parallel rank {dp.rank} of {dp.size}: pass "
-                       f"ParameterShard({dp.rank}, {dp.size})")
-        config.world.agree(problem, ValueError)
+        _check_arguments(config, (pipeline_parallel_size, tensor_parallel_size,
+                                  data_parallel_size), schedule, micro_batches, shard)
         self.config = config
         groups = config.groups
         self.tp = groups.tp
@@ -272,6 +254,34 @@ class HybridShardedModel:
                 "parameters": int(self.layout.size), "schedule": self.schedule,
                 "micro_batches": self.micro_batches}
 
+
+
+def _check_arguments(config: ShardingConfiguration, sizes: tuple[Any, Any, Any],
+                     schedule: str, micro_batches: Any, shard: ParameterShard | None) -> None:
+    """``HybridShardedModel``'s arguments against ``config``: a TopologyError for
+    sizes ``(pp, tp, dp)`` that contradict it, a ValueError for a bad schedule,
+    micro-batch count or shard; on every rank. Collective over ``config.world``."""
+    topo = config.topology
+    asked = {"pipeline_parallel_size": (sizes[0], topo.pp),
+             "tensor_parallel_size": (sizes[1], topo.tp),
+             "data_parallel_size": (sizes[2], topo.dp)}
+    clash = [f"{k}={a} but the configuration has {b}" for k, (a, b) in asked.items()
+             if a not in (None, -1, b)]
+    config.world.agree("; ".join(clash) or None, TopologyError)
+    problem = None
+    if schedule not in SCHEDULES:
+        problem = (f"unknown pipeline schedule {schedule!r}: choose one of "
+                   f"{', '.join(SCHEDULES)}")
+    elif (not isinstance(micro_batches, numbers.Integral) or isinstance(micro_batches, bool)
+          or micro_batches < 1):
+        problem = f"micro_batches must be a positive integer, got {micro_batches!r}"
+    dp = config.groups.dp
+    if problem is None and shard is not None and \
+            (shard.rank, shard.ranks) != (dp.rank, dp.size):
+        problem = (f"shard=ParameterShard({shard.rank}, {shard.ranks}) but this rank is "
+                   f"data-parallel rank {dp.rank} of {dp.size}: pass "
+                   f"ParameterShard({dp.rank}, {dp.size})")
+    config.world.agree(problem, ValueError)
 
 def _factory_problem(factory: Callable[..., Any], sharded: bool = False) -> str | None:
     """Why ``factory`` cannot build a stage of a tensor group (in ZeRO-3 shards where
