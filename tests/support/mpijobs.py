@@ -40,7 +40,7 @@ _AGENT_VARIABLES = ("MPISHARD_ELASTIC_RESTARTS",)
 
 @functools.cache
 def _mpienv_settings() -> dict[str, str]:
-    """The ``OMPI_*`` and ``MPISHARD_*`` variables that ``scripts/mpienv.sh`` sets.
+    """The ``OMPI_*``, ``PMIX_*`` and ``MPISHARD_*`` variables that ``scripts/mpienv.sh`` sets.
 
     Read by sourcing the script, so it stays the one place that says which flags and
     variables this machine's Open MPI needs.
@@ -50,7 +50,7 @@ def _mpienv_settings() -> dict[str, str]:
                           env=base, capture_output=True, timeout=30, check=True)
     after = dict(item.split("=", 1) for item in proc.stdout.decode().split("\0") if "=" in item)
     return {key: value for key, value in after.items()
-            if key.startswith(("OMPI_", "MPISHARD_")) and base.get(key) != value}
+            if key.startswith(("OMPI_", "PMIX_", "MPISHARD_")) and base.get(key) != value}
 
 
 def _without_world(env: Mapping[str, str]) -> dict[str, str]:
