@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 from ..backend import array_namespace, synchronize
 from ..errors import CommunicationError, MpiShardError
-from . import stuck
+from . import stuck, waiting
 from .cuda import cuda_aware
 from .deadlines import Deadlines
 
@@ -110,7 +110,7 @@ class Handle:
         if timed:
             self.comm.wait_request(self.request, self.what)
         else:
-            self.request.Wait()
+            waiting.wait(self.request)
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
@@ -216,9 +216,16 @@ class FlatComm:
             return exc
         return MPI.Exception(MPI.ERR_REVOKED) if broken else exc
 
+    @property
+    def _polls(self) -> bool:
+        # Whether the calls made now wait by testing their request (under a
+        # timeout, or napping where ranks outnumber cores: comm/waiting.py)
+        # rather than in MPI's blocking call.
+        return self.timeout is not None or waiting.naps()
+
     def _wait(self, request: MPI.Request, what: str) -> None:
         if self.timeout is None:
-            request.Wait()
+            waiting.wait(request)
             return
         start = time.monotonic()
         deadline = start + self.timeout + self.grace
@@ -240,11 +247,10 @@ class FlatComm:
                         evicted, deadline = True, now + self.timeout
                         continue
                     self._abort_stuck(what)
-                # Yield at first (a quick wait stays quick); a wait past _SPIN_S
-                # naps, growing to _NAP_MAX_S, so that waiting ranks leave the
-                # cores to the working ones where ranks outnumber cores.
-                if now - start > _SPIN_S:
-                    nap = min(_NAP_MAX_S, max(nap * 2, _NAP_MIN_S))
+                # Yield at first (a quick wait stays quick), then nap, so that
+                # waiting ranks leave the cores to the working ones where ranks
+                # outnumber cores (comm/waiting.py).
+                nap = waiting.next_nap(nap, now - start)
                 time.sleep(nap)
         finally:
             if noted:
@@ -313,7 +319,7 @@ class FlatComm:
     def _timed(self, request: MPI.Request, what: str) -> None:
         """Complete ``request`` (under the timeout when one is set)."""
         if self.timeout is None:
-            request.Wait()
+            waiting.wait(request)
         else:
             self.wait_request(request, what)
 
@@ -442,7 +448,7 @@ class FlatComm:
         """Reduce ``buf`` in place over the group (``op``: sum by default).
         Collective over the group."""
         self.flush_deferred()
-        if self.timeout is not None or array_namespace(buf) is not np:
+        if self._polls or array_namespace(buf) is not np:
             self.Iallreduce(buf, slot, op=op).wait()
         else:
             self.comm.Allreduce(MPI.IN_PLACE, buf, op=_op(op))
@@ -471,7 +477,7 @@ class FlatComm:
         """Blocking [`Ireduce_scatter`][mpishard.comm.FlatComm.Ireduce_scatter]. Collective over the
         group."""
         self.flush_deferred()
-        if self.timeout is not None or array_namespace(sendbuf) is not np:
+        if self._polls or array_namespace(sendbuf) is not np:
             self.Ireduce_scatter(sendbuf, recvbuf, counts, slot).wait()
         else:
             self.comm.Reduce_scatter(sendbuf, recvbuf, counts, op=MPI.SUM)
@@ -502,7 +508,7 @@ class FlatComm:
         send = MPI.IN_PLACE
         if sendbuf is not None:
             send, _ = self._host(sendbuf, (slot, "send"))
-        if self.timeout is not None:
+        if self._polls:
             self.wait_request(self.comm.Iallgatherv(send, spec), "Iallgatherv")
         else:
             self.comm.Allgatherv(send, spec)
@@ -524,7 +530,7 @@ class FlatComm:
         rd = _displacements(recvcounts) if recvdispls is None else [int(d) for d in recvdispls]
         sspec = [send, ([int(c) for c in sendcounts], sd)]
         rspec = [recv, ([int(c) for c in recvcounts], rd)]
-        if self.timeout is not None:
+        if self._polls:
             self.wait_request(self.comm.Ialltoallv(sspec, rspec), "Ialltoallv")
         else:
             self.comm.Alltoallv(sspec, rspec)
@@ -534,7 +540,7 @@ class FlatComm:
     def Bcast(self, buf: Any, root: int = 0, slot: Any = "bcast") -> None:
         """Broadcast ``buf`` from ``root``. Collective over the group."""
         host, copy_back = self._host(buf, slot)
-        if self.timeout is not None:
+        if self._polls:
             self.wait_request(self.comm.Ibcast(host, root=root), "Ibcast")
         else:
             self.comm.Bcast(host, root=root)
@@ -793,11 +799,6 @@ def _chain(*steps: Callable[[], None] | None) -> Callable[[], None] | None:
             step()
 
     return run
-
-
-#: A wait under a timeout yields for this long, then naps (seconds): from
-#: ``_NAP_MIN_S`` doubling to ``_NAP_MAX_S``, a bound on the latency it adds.
-_SPIN_S, _NAP_MIN_S, _NAP_MAX_S = 2e-3, 2e-5, 5e-4
 
 
 def _displacements(counts: Sequence[int]) -> list[int]:
