@@ -6,7 +6,7 @@
 #      only mpishard.comm imports mpi4py), ruff, and `mkdocs build --strict` (the
 #      documentation site of docs/: a broken link, a missing page or an API page
 #      that does not render fails the run); a violation fails the run;
-#   1. tests/unit (no MPI world: pure arithmetic, layers, optimizers), plain pytest,
+#   1. tests/unit (no MPI world: pure arithmetic, layers, optimizers), pytest -n 2,
 #      beside step 0 (one core each); the few tests that need h5py after its build;
 #   2. tests/jobs (each test starts its own mpirun or a whole program: launch, CLI,
 #      Slurm, stalls, aborts, the elastic agent), plain pytest, 3 tests at a time
@@ -25,7 +25,18 @@ cd "$repo"
 # Each part's header says when it starts ([minutes:seconds] since the start): the
 # differences are the costs of the parts (docs/install.md's table); each pytest run
 # ends with its slowest tests (--durations).
-step() { printf '== %s [%d:%02d]\n' "$1" $((SECONDS / 60)) $((SECONDS % 60)); }
+# The CPU time of the parts finished so far (user + system of every process this
+# script has waited for, from bash's `times`) follows: against twice the elapsed time
+# (2 cores), how busy the machine was.
+cpu_file=$(mktemp)
+step() {
+  local cpu
+  times >"$cpu_file"   # in this shell: a subshell's `times` counts only its own children
+  cpu=$(awk 'NR == 2 { gsub(/s/, ""); split($1, u, "m"); split($2, k, "m");
+    printf "%d", u[1] * 60 + u[2] + k[1] * 60 + k[2] }' "$cpu_file")
+  printf '== %s [%d:%02d, CPU %d:%02d]\n' "$1" $((SECONDS / 60)) $((SECONDS % 60)) \
+    $((cpu / 60)) $((cpu % 60))
+}
 # Everything but the MPI build of h5py first; that build (about 4 minutes on one core
 # on a new machine, a check afterwards), the fault-tolerant runtime (.venv-ft) and
 # Slurm (for tests/jobs/test_slurm.py) are made in the background while the linters
@@ -37,7 +48,7 @@ source scripts/mpienv.sh
 setup_logs=$(mktemp -d)
 # A run that stops early (a lint error) ends the setups it started, by their ids.
 trap 'for pid in ${h5py_setup:-} ${ft_setup:-} ${slurm_setup:-} ${unit_tests:-} ${mpi_one:-}; do
-  kill "$pid" 2>/dev/null || true; done' EXIT
+  kill "$pid" 2>/dev/null || true; done; rm -f "$cpu_file"' EXIT
 bash scripts/setup.sh >"$setup_logs/h5py.log" 2>&1 &
 h5py_setup=$!
 bash scripts/setup.sh --ft >"$setup_logs/ft.log" 2>&1 &
@@ -57,9 +68,11 @@ fi
 # made unimportable as it is on a new machine while the build runs
 # (scripts/pytest_before_h5py.py); a test that stops on `import h5py` is written to
 # $unit_deferred and runs after the build. Its output is printed after the documentation.
+# Two workers (pytest-xdist): the linters and the documentation take about 20 s of
+# the 1.5 min tests/unit takes in one process, which left a core idle after them.
 unit_deferred=$setup_logs/unit-deferred
 PYTHONPATH="$repo/scripts${PYTHONPATH:+:$PYTHONPATH}" MPISHARD_DEFERRED="$unit_deferred" \
-  "$py" -m pytest -q -p no:cacheprovider --color=no --durations=10 -p pytest_before_h5py "$@" \
+  "$py" -m pytest -q -p no:cacheprovider --color=no --durations=10 -n 2 -p pytest_before_h5py "$@" \
   tests/unit \
   >"$setup_logs/unit.log" 2>&1 &
 unit_tests=$!
