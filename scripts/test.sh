@@ -7,7 +7,7 @@
 #      documentation site of docs/: a broken link, a missing page or an API page
 #      that does not render fails the run); a violation fails the run;
 #   1. tests/unit (no MPI world: pure arithmetic, layers, optimizers), pytest -n 2,
-#      beside step 0 (one core each); the few tests that need h5py after its build;
+#      beside step 0; the few tests that need h5py after its build;
 #   2. tests/jobs (each test starts its own mpirun or a whole program: launch, CLI,
 #      Slurm, stalls, aborts, the elastic agent), plain pytest, 3 tests at a time
 #      (they mostly wait on their jobs), then the tests marked timing, 2 at a time
