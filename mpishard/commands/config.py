@@ -78,6 +78,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("data_parallel", "str", "ddp", "how the hybrid's data-parallel group syncs: "
            + ", ".join(STRATEGIES), _G_PAR, tuple(STRATEGIES)),
     Option("micro_batches", "int", 1, "pipeline micro-batches per step (hybrid)", _G_PAR),
+    Option("stage_gradient", "str", "sharded", "with --data-parallel zero3 (hybrid): "
+           "sharded (each micro-batch's gradient reduced to the shards during its backward: "
+           "no whole stage gradient, micro-batches x the gradient traffic) or whole (the "
+           "micro-batches summed in the stage's whole gradient, reduced once a step)",
+           _G_PAR, ("sharded", "whole")),
     Option("schedule", "str", "1f1b", "pipeline schedule: 1f1b or gpipe (hybrid)", _G_PAR,
            ("1f1b", "gpipe")),
     Option("accumulation_steps", "int", 1, "micro-batches accumulated per step on each "
@@ -170,6 +175,7 @@ class Settings:
     dp: int
     data_parallel: str
     micro_batches: int
+    stage_gradient: str
     schedule: str
     accumulation_steps: int
     reproducible: bool

@@ -224,7 +224,9 @@ def _build(s: Settings, comm: FlatComm, closers: list[Callable[[], None]]) -> Ru
     layout = (f"{s.strategy} on {ranks}" if s.strategy != "hybrid" else
               f"hybrid on {ranks}: tp {topo.tp} x pp {topo.pp} x dp "
               f"{topo.dp}, {s.micro_batches} micro-batches, {s.schedule}, "
-              f"{s.data_parallel} across replicas")
+              f"{s.data_parallel} across replicas"
+              + (f" (stage gradient {s.stage_gradient})" if s.data_parallel == "zero3"
+                 else ""))
     where = ("" if gpu is None else
              f", on {gpu.name} GPUs (rank 0: GPU {gpu.device}, {gpu.why})")
     repro = ""
@@ -351,6 +353,8 @@ def _strategy(s: Settings, config: Any, model: Any, steps: int, warmup: int) -> 
                   max_grad_norm=s.max_grad_norm,
                   schedule=CosineSchedule(total_steps=max(steps, 1), warmup_steps=warmup))
     if s.strategy == "hybrid":
+        if s.data_parallel == "zero3":
+            kwargs["stage_gradient"] = s.stage_gradient
         return HybridShardedOptimizer(optimizer, config, data_parallel=s.data_parallel, **kwargs)
     return STRATEGIES[s.strategy].public_class(optimizer, config, **kwargs)
 

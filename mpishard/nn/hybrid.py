@@ -118,6 +118,7 @@ class HybridShardedModel:
             self.stage_model = build(tp_comm=self.tp, stage_layers=mine)
         self.runner = PipelineStage(self.stage_model, self.pp, micro_batches, schedule)
         self._context: tuple[int, int, int] | None = None
+        self._micro_hooks: tuple[Any, Any] = (None, None)   # set_micro_batch_hooks
         self._factory = model      # for rebuild()
 
     def rebuild(self, config: ShardingConfiguration) -> None:
@@ -201,8 +202,20 @@ class HybridShardedModel:
         d(loss)/d(output)): the optimizer divides by ``micro_batches``.
         Collective over pipeline and tensor groups."""
         context, self._context = self._context, None
+        before, after = self._micro_hooks
         return self.runner.run(x, y, accumulate=accumulate, context=context,
-                               loss_scale=loss_scale)
+                               loss_scale=loss_scale, before_backward=before,
+                               after_backward=after)
+
+    def set_micro_batch_hooks(self, before_backward: Callable[[int], None] | None,
+                              after_backward: Callable[[int], None] | None) -> None:
+        """From now on every ``forward_backward`` calls ``before_backward(i)`` and
+        ``after_backward(i)`` around micro-batch ``i``'s backward, and no backward
+        accumulates: between the two the stage's gradient (its views) holds
+        micro-batch ``i``'s alone. Hybrid ZeRO-3 hands each micro-batch's
+        gradient over to its shards so (``stage_gradient="sharded"``). ``None``
+        for both: off, the micro-batches summed in the stage's gradient. Local."""
+        self._micro_hooks = (before_backward, after_backward)
 
     def set_batch_context(self, step: int, start: int, global_size: int) -> None:
         self._context = (step, start, global_size)

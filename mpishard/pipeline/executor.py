@@ -61,11 +61,17 @@ class PipelineStage:
 
     # -- one step -------------------------------------------------------------------
     def run(self, x: Any, y: Any, *, accumulate: bool = False,
-            context: tuple[int, int, int] | None = None, loss_scale: float = 1.0) -> float:
+            context: tuple[int, int, int] | None = None, loss_scale: float = 1.0,
+            before_backward: Callable[[int], None] | None = None,
+            after_backward: Callable[[int], None] | None = None) -> float:
         """Forward and backward of all micro-batches; returns the mean loss of the
         step on every stage (broadcast from the last). Gradients are the sum of
         the micro-batches' (each a mean): the caller scales by ``1/micro_batches``.
         ``context = (step, first row, global batch)`` feeds dropout's masks.
+        With ``before_backward``/``after_backward`` (called with the micro-batch's
+        index around its backward) no backward accumulates: between them the
+        stage's gradient is that micro-batch's alone, for the caller to take
+        (hybrid ZeRO-3 reduces it to its shards there, bucket by bucket).
 
         Raises:
             ValueError: the local batch does not split into ``micro_batches``
@@ -82,8 +88,10 @@ class PipelineStage:
         if context is not None:
             step, start, global_size = context
             context_of = lambda i: (step, start + i * b, global_size)  # noqa: E731
+        hooks = None if before_backward is None and after_backward is None else \
+            (before_backward, after_backward)
         losses = self._run(lambda i: (x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]), m,
-                           (b,) + tuple(x.shape[1:]), accumulate, context_of, loss_scale, None)
+                           (b,) + tuple(x.shape[1:]), accumulate, context_of, loss_scale, hooks)
         return self._share_loss(sum(losses) / m)
 
     def run_units(self, xs: list[Any], ys: list[Any], losses: Any, *,

@@ -19,16 +19,17 @@ core are rebuilt over it as the same objects, each rank keeping its parameters.
 **Hybrid DDP** goes on from the newest step a kept rank of every (tensor, stage)
 coordinate completed (the update after the step's ``Allreduce`` is local: the
 survivors may differ by one), each coordinate taking parameters and state from
-its lowest kept rank at that step. **Hybrid ZeRO-2**: each (tensor, stage)
-data-parallel group, its alive ranks in dropped replicas included, puts its
-parameters and state together at the newest step every group can rebuild
-exactly (its survivors' shards and the buddy copies of the lost ones), resharded
-over the kept ranks. **Hybrid ZeRO-3**: the same step, but nothing is put
-together: each data group's survivors move the parameter and state shards they
-hold (their own, the buddy copies of the lost ones) straight to the kept ranks'
-new shards ([`resplit`][mpishard.recovery.resplit.resplit]), the stage built
-again in shards. The step count, skipped steps and data position are that
-step's. The alive ranks of dropped replicas, once they have helped, raise
+its lowest kept rank at that step. **Hybrid ZeRO-2 and ZeRO-3**: each (tensor,
+stage) data-parallel group, its alive ranks in dropped replicas included, goes
+on from the newest step every group can rebuild exactly (its survivors' shards
+and the buddy copies of the lost ones); nothing of the state is put together:
+the survivors move the state shards they hold (their own, the buddy copies of
+the lost ones) straight to the kept ranks' new shards
+([`resplit`][mpishard.recovery.resplit.resplit]). ZeRO-3's parameter shards go
+the same way, the stage built again in shards; ZeRO-2's parameters, whole on
+every rank anyway, go from the same shards to each kept rank's whole vector.
+The step count, skipped steps and data position are that step's. The alive
+ranks of dropped replicas, once they have helped, raise
 [`HandOver`][mpishard.errors.HandOver] with exit code 0 (each says its own line).
 """
 
@@ -47,7 +48,7 @@ from ..protocols import RecoverableCore
 from ..topology import Topology
 from .common import Recovered, StepMarks, error_text, put_state, survivors_config
 from .resplit import Moved, resplit
-from .shardcopy import ShardBuddy, sharded_pieces, zero2_candidates, zero2_rebuild
+from .shardcopy import ShardBuddy, sharded_pieces, zero2_candidates
 
 __all__ = ["drop_replicas", "whole_replicas"]
 
@@ -110,7 +111,7 @@ def drop_replicas(strategy: RecoverableCore, rec: ulfm.Survivors, *,
                          for d, lost in sorted(lost_by_replica.items()))
         raise hand_over(f"no model replica is whole ({what}) in a layout with "
                         f"tensor_parallel_size={topo.tp} and pipeline_parallel_size={topo.pp}")
-    step, full, root, group = _step_to_go_on(strategy, buddy, world, every, kept, hand_over)
+    step, root, group = _step_to_go_on(strategy, buddy, world, every, kept, hand_over)
     # Skipped steps and the data position at that step: a survivor's mark of it,
     # else the own ones of a survivor that is at that step (of rec.source otherwise).
     marks = marks if marks is not None else StepMarks(
@@ -132,7 +133,7 @@ def drop_replicas(strategy: RecoverableCore, rec: ulfm.Survivors, *,
 
     if group is None:
         config = survivors_config(old, child.comm)
-        _rebuild_kept(strategy, config, full, root)
+        _rebuild_kept(strategy, config, root)
     strategy.set_progress(step_count=step, skipped_steps=skipped, data_position=position)
     groups = config.groups
     return Recovered(lost_ranks=rec.lost, step=step, world_size=groups.world.size,
@@ -156,20 +157,18 @@ def _check_attached(strategy: Any, world: FlatComm) -> None:
 def _step_to_go_on(strategy: RecoverableCore, buddy: ShardBuddy | None, world: FlatComm,
                    every: list[tuple[int, ...]], kept: list[int],
                    hand_over: Callable[[str], HandOver]
-                   ) -> tuple[int, tuple[Any, Any] | None, int, FlatComm | None]:
+                   ) -> tuple[int, int, FlatComm | None]:
     """The step the kept replicas go on from, and what brings them there:
-    ``(step, full, root, group)``: ZeRO-2's whole state (``full``), hybrid DDP's
-    source rank (``root``), ZeRO-3's group of survivors moving shards (``group``).
-    Collective over ``world``."""
+    ``(step, root, group)``: hybrid DDP's source rank (``root``), ZeRO-2's and
+    ZeRO-3's group of survivors moving shards (``group``). Collective over
+    ``world``."""
     me = strategy.config.groups.coordinates
     if strategy.placement.recovery != "sharded":
         step, root = _ddp_step(every, kept, me, hand_over)
-        return step, None, root, None
-    if strategy.model.params is None:   # ZeRO-3's shards: moved shard to shard
-        step, group = _sharded_step(strategy, buddy, world, me, hand_over)
-        return step, None, 0, group
-    step, full = _zero2_rebuild(strategy, buddy, world, me, hand_over)
-    return step, full, 0, None
+        return step, root, None
+    # ZeRO-2's and ZeRO-3's shards: moved shard to shard.
+    step, group = _sharded_step(strategy, buddy, world, me, hand_over)
+    return step, 0, group
 
 
 def _dropped(replica: int, lost: list[int], going_on: int) -> HandOver:
@@ -179,51 +178,53 @@ def _dropped(replica: int, lost: list[int], going_on: int) -> HandOver:
                     f"{going_on} ranks go on", exit_code=0, speaker=True)
 
 
-def _rebuild_kept(strategy: RecoverableCore, config: Any, full: tuple[Any, Any] | None,
-                  root: int) -> None:
-    """The model and ``strategy`` rebuilt over ``config`` (the kept ranks), the
-    same objects: the parameters and state ``full`` put together (sharded), or
-    those of rank ``root`` of the new data group (replicated). Collective over
-    ``config.world``."""
+def _rebuild_kept(strategy: RecoverableCore, config: Any, root: int) -> None:
+    """Hybrid DDP: the model and ``strategy`` rebuilt over ``config`` (the kept
+    ranks), the same objects, with the parameters and state of rank ``root`` of
+    the new data group. Collective over ``config.world``."""
     model, state = strategy.model, strategy.state
     model.rebuild(config)          # the same object, this rank's parameters kept
-    if full is not None:
-        model.params[...] = full[0]
-    else:
-        config.groups.dp.Bcast(model.params, root=root)
+    config.groups.dp.Bcast(model.params, root=root)
     strategy.rebuild(config)       # the same object and options, over the kept ranks
-    put_state(strategy, full[1] if full is not None else None, state, config.groups.dp, root)
+    put_state(strategy, None, state, config.groups.dp, root)
 
 
 def _sharded_step(strategy: RecoverableCore, buddy: ShardBuddy | None, world: FlatComm,
                   me: Any, hand_over: Callable[[str], HandOver]) -> tuple[int, FlatComm]:
-    """ZeRO-3: the newest step every (tensor, stage) data-parallel group can rebuild
-    exactly from its survivors' shards and buddy copies, and this rank's group of
-    survivors (the old data group's, dropped replicas' alive ranks included; the
-    caller frees it). Collective over ``world``."""
+    """ZeRO-2 and ZeRO-3: the newest step every (tensor, stage) data-parallel group
+    can rebuild exactly from its survivors' shards and buddy copies, and this
+    rank's group of survivors (the old data group's, dropped replicas' alive
+    ranks included; the caller frees it). Collective over ``world``."""
     topo = strategy.config.topology
     group = world.split(me.pp * topo.tp + me.tp, me.dp, "data-parallel survivors")
     mine = zero2_candidates(strategy, buddy, group)
     common = set.intersection(*map(set, world.allgather(sorted(mine))))
     if not common:
         group.free()
-        raise hand_over("ZeRO-3 lost parameter and optimizer-state shards: there is no "
-                        "step at which every data-parallel group can put them together "
-                        "from its survivors' shards and buddy copies")
+        what = ("parameter and optimizer-state" if strategy.model.params is None
+                else "optimizer-state")
+        raise hand_over(f"{strategy.strategy} lost {what} shards: there is no step at which "
+                        f"every data-parallel group can put them together from its "
+                        f"survivors' shards and buddy copies")
     return max(common), group
 
 
 def _resplit_kept(strategy: RecoverableCore, config: Any, group: FlatComm,
                   buddy: ShardBuddy | None, step: int, moved: Moved) -> None:
-    """ZeRO-3: this rank's group of survivors moves the stage's parameters and state
-    at ``step`` shard to shard ([`resplit`][mpishard.recovery.resplit.resplit]):
-    each kept rank gets its shard under ``config`` (None: a dropped replica's rank,
-    which only sends) and the model and ``strategy`` are rebuilt over it, the
-    parameters kept as the new shard, the state moved straight into the rebuilt
-    core's. Nothing whole on any rank (but a shard of one data-parallel rank).
-    Collective over ``group`` (and ``config.world`` on the kept ranks)."""
+    """ZeRO-2 and ZeRO-3: this rank's group of survivors moves the stage's
+    parameters and state at ``step`` shard to shard
+    ([`resplit`][mpishard.recovery.resplit.resplit]): each kept rank gets its
+    state shard under ``config`` (None: a dropped replica's rank, which only
+    sends) and the model and ``strategy`` are rebuilt over it, the state moved
+    straight into the rebuilt core's. ZeRO-3's parameters are kept as the new
+    shard (nothing whole on any rank but a shard of one data-parallel rank);
+    ZeRO-2's go from the shards into the rebuilt model's whole vector (whole on
+    every rank anyway). Collective over ``group`` (and ``config.world`` on the
+    kept ranks)."""
     pieces = sharded_pieces(strategy, buddy, group, step)
     xp, size = strategy.xp, strategy.layout.size
+    model = strategy.model
+    whole = model.params is not None        # ZeRO-2: the parameters are whole
     want = Range(0, 0)
     if config is not None:
         dp = config.groups.dp
@@ -234,8 +235,13 @@ def _resplit_kept(strategy: RecoverableCore, config: Any, group: FlatComm,
         resplit(group, pieces, want, params, xp, moved)
         resplit(group, pieces, want, dtypes, xp, moved)
         return
-    model = strategy.model
-    model.rebuild(config)      # in shards over the kept data group: nothing whole
+    model.rebuild(config)      # ZeRO-3 in shards over the kept data group: nothing whole
+    if whole:
+        # Every kept rank the whole vector, from the shards: the same bits on each.
+        resplit(group, pieces, Range(0, size), params, xp, moved, out={"params": model.params})
+        strategy.rebuild(config, agreed=True)
+        resplit(group, pieces, want, dtypes, xp, moved, out=strategy.state)
+        return
     built = model.built_shard()
     # Straight into the rebuilt stage's new shard, kept as the strategy's store.
     out = {"params": built[1]} if built is not None and built[0] == want else None
@@ -262,25 +268,3 @@ def _ddp_step(every: list[tuple[int, ...]], kept: list[int], me: Any,
             f"({', '.join(f'{k}: {sorted(v)}' for k, v in sorted(counts.items()))})")
     step = max(common)
     return step, counts[(me.tp, me.pp)][step] if me.dp in kept else 0
-
-
-def _zero2_rebuild(strategy: RecoverableCore, buddy: ShardBuddy | None, world: FlatComm,
-                   me: Any, hand_over: Callable[[str], HandOver]
-                   ) -> tuple[int, tuple[Any, dict[str, Any]]]:
-    """ZeRO-2: the newest step every (tensor, stage) data-parallel group can put
-    together exactly, and this rank's group's ``(params, state)`` at it (whole
-    stage vectors). Collective over ``world`` (every survivor, dropped or kept)."""
-    topo = strategy.config.topology
-    # The survivors of this rank's old data-parallel group, in the old dp order.
-    group = world.split(me.pp * topo.tp + me.tp, me.dp, "data-parallel survivors")
-    try:
-        mine = zero2_candidates(strategy, buddy, group)
-        common = set.intersection(*map(set, world.allgather(sorted(mine))))
-        if not common:
-            raise hand_over("ZeRO-2 lost optimizer-state shards: there is no step at which "
-                            "every data-parallel group can put its state together from its "
-                            "survivors' shards and buddy copies")
-        step = max(common)
-        return step, zero2_rebuild(strategy, buddy, group, step)
-    finally:
-        group.free()

@@ -34,7 +34,8 @@ class HybridShardedOptimizer(Strategy):
         **options: the options of the chosen data-parallel strategy
             ([`DataParallelOptions`][mpishard.parallel.base.DataParallelOptions],
             and for ZeRO-2 [`ZeRO2Options`][mpishard.parallel.zero2.ZeRO2Options],
-            for ZeRO-3 [`ZeRO3Options`][mpishard.parallel.zero3.ZeRO3Options]).
+            for ZeRO-3 [`HybridZeRO3Options`][mpishard.parallel.hybrid.HybridZeRO3Options]:
+            ZeRO-3's and ``stage_gradient``).
 
     The global gradient norm counts every logical parameter once, and the step's
     totals are reduced over the world. Building it is collective over
@@ -59,8 +60,10 @@ class HybridShardedOptimizer(Strategy):
         attach it (``data_parallel="zero3"`` only): each rank of a data-parallel
         group allocates and initialises only its shard of its (stage, tensor)
         slice, bit for bit the shard of the whole construction with the same
-        seed, at any layout; its peak is the shard and about one layer (the
-        stage's gradient is made whole at attach: the pipeline sums its
+        seed, at any layout; its peak is the shard and about one layer. With
+        ``stage_gradient="sharded"`` (the default) the stage's gradient is never
+        whole either (each micro-batch's reduced to the shards during its
+        backward); ``"whole"`` makes it whole at attach (the pipeline sums its
         micro-batches there). Collective over ``config.world``.
 
         ```python

@@ -114,7 +114,12 @@ def test_hybrid_layouts_match_ddp(tmp_path):
         "tp2-pp2": (["--tp", "2", "--pp", "2", "--micro-batches", "4", "--schedule", "1f1b",
                      "--data-parallel", "zero2"], "tp 2 x pp 2 x dp 1", 1e-9),
         "pp2-dp2": (["--pp", "2", "--micro-batches", "2", "--data-parallel", "zero3"],
-                    "tp 1 x pp 2 x dp 2", 1e-12),
+                    "tp 1 x pp 2 x dp 2, 2 micro-batches, 1f1b, zero3 across replicas (stage "
+                    "gradient sharded)", 1e-12),
+        "pp2-dp2-whole": (["--pp", "2", "--micro-batches", "2", "--data-parallel", "zero3",
+                           "--stage-gradient", "whole"],
+                          "tp 1 x pp 2 x dp 2, 2 micro-batches, 1f1b, zero3 across replicas "
+                          "(stage gradient whole)", 1e-12),
     }
     ddp = mpishard(4, *common, "--out", str(tmp_path / "ddp"))
     assert ddp.returncode == 0, ddp.stderr

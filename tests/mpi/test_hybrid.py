@@ -75,7 +75,7 @@ def make_opt():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"tp{t[0]}-pp{t[1]}-dp{t[2]}")
-@pytest.mark.parametrize("data_parallel", ["ddp", "zero2"])
+@pytest.mark.parametrize("data_parallel", ["ddp", "zero2", "zero3", "zero3-whole"])
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_gpt_matches_serial(layout, data_parallel, schedule):
     tp, pp, dp = layout
@@ -84,15 +84,60 @@ def test_gpt_matches_serial(layout, data_parallel, schedule):
     config = ShardingConfiguration(MPI.COMM_WORLD, tensor_parallel_size=tp,
                                    pipeline_parallel_size=pp)
     model = HybridShardedModel(gpt_factory(), config, micro_batches=2, schedule=schedule)
-    opt = HybridShardedOptimizer(make_opt(), config, data_parallel=data_parallel, model=model,
-                                 max_grad_norm=0.3)
+    options = {"stage_gradient": "whole"} if data_parallel == "zero3-whole" else {}
+    opt = HybridShardedOptimizer(make_opt(), config, data_parallel=data_parallel[:5],
+                                 model=model, max_grad_norm=0.3, **options)
     result = opt.optimize(model, data, epochs=2, batch_size=16)
     np.testing.assert_allclose(result.losses, ref_losses, rtol=1e-10)
-    assert_shards_match(model, serial)
     assert opt.last_grad_norm > 0.3          # clipping was active: the norm is global
     opt.verify_in_sync()
+    if data_parallel == "zero3":             # ZeRO-3's default: no whole stage gradient
+        assert model.grads is None
+    if model.params is None:
+        opt.unshard()
+    assert_shards_match(model, serial)
     # Each rank holds only its part: its stage's layers, its tensor slice.
-    assert model.params.size < serial.params.size or WORLD == 1 or dp == WORLD
+    assert model.layout.size < serial.layout.size or WORLD == 1 or dp == WORLD
+
+
+# Each data-parallel rank's rows, step by step (2 replicas): unequal, then none.
+COUNTS = [[12, 12], [4, 20], [0, 24], [24, 0]]
+
+
+@pytest.mark.parametrize("stage_gradient", ["sharded", "whole"])
+def test_zero3_unequal_and_empty_replicas_with_accumulation(stage_gradient):
+    """Hybrid ZeRO-3, two micro-batches in the pipeline and ``accumulation_steps=2``:
+    replicas of unequal rows, and one with none (its passes replayed: each
+    micro-batch's buckets reduced as the others' are), against the serial
+    reference on the global batch of 24 rows."""
+    layouts = {1: (1, 1), 2: (1, 1), 4: (1, 2), 8: (2, 2)}
+    if WORLD not in layouts:
+        pytest.skip(f"written for 1, 2, 4 or 8 ranks (1 or 2 replicas), not {WORLD}")
+    tp, pp = layouts[WORLD]
+    config = ShardingConfiguration(MPI.COMM_WORLD, tensor_parallel_size=tp,
+                                   pipeline_parallel_size=pp)
+    dp = config.groups.dp
+    x, y = token_data()
+    steps = len(COUNTS)
+    batches = [(x[24 * s % 48:][:24], y[24 * s % 48:][:24]) for s in range(steps)]
+    serial = train_serial(gpt_factory()(), make_opt(), batches, max_grad_norm=0.3)
+    model = HybridShardedModel(gpt_factory(), config, micro_batches=2)
+    opt = HybridShardedOptimizer(make_opt(), config, data_parallel="zero3", model=model,
+                                 max_grad_norm=0.3, accumulation_steps=2,
+                                 stage_gradient=stage_gradient, bucket_mb=0.001,
+                                 gather_mb=0.001)
+    losses = []
+    for s, (bx, by) in enumerate(batches):
+        counts = COUNTS[s] if dp.size == 2 else [24]
+        lo, mine = sum(counts[:dp.rank]), counts[dp.rank]
+        for half in (0, 1):
+            a = lo + half * mine // 2
+            opt.backward(bx[a:a + mine // 2], by[a:a + mine // 2])
+        losses.append(opt.step())
+    np.testing.assert_allclose(losses, serial.losses, rtol=1e-10)
+    assert (model.grads is None) == (stage_gradient == "sharded")
+    opt.unshard()
+    assert_shards_match(model, serial.model)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"tp{t[0]}-pp{t[1]}-dp{t[2]}")

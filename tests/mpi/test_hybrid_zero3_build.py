@@ -73,20 +73,25 @@ def bits(a):
 @pytest.mark.parametrize("layout", LAYOUTS,
                          ids=lambda t: f"tp{t[0]}-pp{t[1]}-dp{t[2]}" if t else "none")
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])
-def test_built_in_shards_is_the_whole_construction_bit_for_bit(layout, kind):
+@pytest.mark.parametrize("stage_gradient", ["sharded", "whole"])
+def test_built_in_shards_is_the_whole_construction_bit_for_bit(layout, kind, stage_gradient):
     factory = FACTORIES[kind]
     config = config_of(layout)
+    options = dict(OPTIONS, stage_gradient=stage_gradient)
     whole = HybridShardedModel(factory(), config, micro_batches=2)
     ref = HybridShardedOptimizer(make_opt(), config, data_parallel="zero3", model=whole,
-                                 max_grad_norm=0.5, **OPTIONS)
+                                 max_grad_norm=0.5, **options)
     opt = HybridShardedOptimizer(make_opt(), config, data_parallel="zero3", max_grad_norm=0.5,
-                                 **OPTIONS)
+                                 **options)
     model = opt.build(factory(), micro_batches=2)
     assert model.shard == ParameterShard(config.groups.dp.rank, config.groups.dp.size)
     assert model.params is None and model.built_shard() is None      # attached
     (r0, v0), (r1, v1) = ref.parameter_shard(), opt.parameter_shard()
     assert r0 == r1 and np.array_equal(bits(v0), bits(v1))
-    assert model.grads is not None and model.grads.size == model.layout.size
+    if stage_gradient == "whole":   # the pipeline sums its micro-batches there
+        assert model.grads is not None and model.grads.size == model.layout.size
+    else:                           # reduced to the shards micro-batch by micro-batch
+        assert model.grads is None and whole.grads is None
     # Trained alike, bit for bit, and as one process on the whole model.
     x, y = data(kind)
     serial = train_serial(factory()(), make_opt(), sampler_batches(x, y, 16, 2),
