@@ -16,6 +16,7 @@ from typing import Any
 
 from ..checkpoint import CheckpointManager
 from ..checkpoint.background import discard_checkpoint
+from ..comm import stuck
 from ..errors import DataPositionWarning, HandOver
 from ..protocols import Model, StrategyCore
 from ..recovery import Recovered, RecoveryPolicy, hand_over, wait_as_spare
@@ -65,6 +66,7 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
     if not promoted:   # a rank lost since the last call: recovered first, as in a step
         joined = recover_between_calls(core, model, checkpointing.manager, reporting.label,
                                        checkpointing.min_workers)
+    stuck.note_training(True)   # removed at the end: left, it says training was cut short
     continuing = core.data_position is not None
     feeder = Feeder(core, model, data, epochs, batch_size, sampling)
     result = TrainResult(first_step=core.step_count, last_step=core.step_count)
@@ -89,6 +91,7 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
         result.val_loss = report.validation_at_end(core.step_count, model,
                                                    evaluation_group(core))
         report.end(core.step_count)
+        stuck.note_training(False)
     finally:
         report.close()
     return result
