@@ -188,7 +188,7 @@ def promote_spares(core: StrategyCore, exc: BaseException | None = None, *,
 
 def _agree(core: StrategyCore, buddy: ShardBuddy | None, marks: StepMarks | None,
            rec: ulfm.Survivors, info: dict[str, Any]) -> Any:
-    """Step 1 of the module docstring on the survivors ``rec.world``: the step they
+    """Step 2 of the module docstring on the survivors ``rec.world``: the step they
     go on from and its state, into ``info`` (its ``problem`` where none can be
     agreed); what this rank holds of sharded state (or, in a 3D layout,
     [`agree_3d`][mpishard.recovery.spares3d.agree_3d]'s pieces), else None.
@@ -300,8 +300,6 @@ def _take_seats(core: StrategyCore, template: ShardingConfiguration, pool: Spare
         return None
     lost, seated = seats(every, info["size"])
     mine = every[job.rank] if every[job.rank] >= 0 else seated.get(job.rank)
-    if info.get("layout3d") is not None and info["problem"] is None:
-        info["problem"] = short_of_spares(len(lost), len(seated))
     speaker = job.rank == _first_trainer(every)
     if info["problem"] is not None:
         raise HandOver(f"lost world rank(s) {info['lost']} after step {info['step']}, "
