@@ -145,8 +145,9 @@ def note_training(active: bool) -> None:
     """Note that this rank trains (``train-R.json``), or remove the note when its
     training ends: notes left at the end of a launch tell the elastic agent that
     training was cut short, whatever the launcher's status (a lost node ends an
-    Open MPI 5.0 job with status 0). An exit does not remove it. Local."""
-    if _job is None:
+    Open MPI 5.0 job with status 0). An exit does not remove it. Only under the
+    agent (``MPISHARD_JOB_DIR`` set): nobody else reads it. Local."""
+    if _job is None or not os.environ.get("MPISHARD_JOB_DIR"):
         return
     path = _job.path("train", _job.me)
     try:
