@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 from mpi4py import MPI
 
 __all__ = ["STACK_SIGNAL", "JobRecord", "describe_members", "diagnose", "evict", "job",
-           "forget", "note_abort", "note_after", "note_wait", "process_state",
+           "forget", "note_abort", "note_after", "note_training", "note_wait", "process_state",
            "reading_data_source", "register", "unnote_wait", "watch", "watch_after"]
 
 #: The signal that makes a registered rank write its Python stack. A real-time
@@ -139,6 +139,24 @@ def note_abort(message: str) -> None:
             _write(_job.path("abort", _job.me), {"message": message[:500], "time": time.time()})
         except OSError:
             pass
+
+
+def note_training(active: bool) -> None:
+    """Note that this rank trains (``train-R.json``), or remove the note when its
+    training ends: notes left at the end of a launch tell the elastic agent that
+    training was cut short, whatever the launcher's status (a lost node ends an
+    Open MPI 5.0 job with status 0). An exit does not remove it. Only under the
+    agent (``MPISHARD_JOB_DIR`` set): nobody else reads it. Local."""
+    if _job is None or not os.environ.get("MPISHARD_JOB_DIR"):
+        return
+    path = _job.path("train", _job.me)
+    try:
+        if active:
+            _write(path, {"pid": os.getpid(), "time": time.time()})
+        else:
+            os.remove(path)
+    except OSError:
+        pass
 
 
 def forget() -> None:

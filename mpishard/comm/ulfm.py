@@ -42,7 +42,7 @@ from . import stuck
 from .communicator import FlatComm
 
 __all__ = ["FAILURE_CLASSES", "MODES", "Survivors", "available", "enable", "exit_now",
-           "is_failure", "is_on", "recover", "wanted"]
+           "is_failure", "is_on", "lost_since", "recover", "wanted"]
 
 #: The error classes that mean "a rank of this communicator failed" (or another
 #: survivor revoked it after seeing that).
@@ -187,6 +187,21 @@ def recover(world: FlatComm, step: int, *, name: str | None = None,
     after.Free()
     return Survivors(world=flat, step=newest, source=steps.index(newest), steps=steps,
                     lost=lost, seconds=time.perf_counter() - t0)
+
+
+def lost_since(world: FlatComm) -> BaseException | None:
+    """Whether a rank of ``world`` was lost since its last call: a fault-tolerant
+    agreement (``MPI_Comm_agree``, the same answer on every alive rank), None
+    when every rank is alive, else the failure (``ERR_PROC_FAILED`` or
+    ``ERR_REVOKED``) for [`recover`][mpishard.comm.ulfm.recover]. Collective over
+    ``world``."""
+    try:
+        world.comm.Agree(1)
+    except MPI.Exception as exc:
+        if not is_failure(exc):
+            raise
+        return exc
+    return None
 
 
 def exit_now(code: int = 0) -> None:

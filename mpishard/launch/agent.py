@@ -141,6 +141,9 @@ class WorkerWatch:
         self.workers: dict[int, tuple[int, str]] = {}
         self.dead: set[int] = set()
         self.software = False
+        #: Ranks seen training (a ``train-R.json`` note), and those whose note is there now.
+        self.training: set[int] = set()
+        self.train_now: set[int] = set()
 
     def _notes(self) -> dict[int, tuple[int, str]]:
         found = {}
@@ -148,6 +151,9 @@ class WorkerWatch:
             names = os.listdir(self.directory)
         except OSError:
             return found
+        self.train_now = {int(m.group(1)) for m in map(re.compile(r"train-(\d+)\.json").fullmatch,
+                                                       names) if m}
+        self.training |= self.train_now
         for name in names:
             if name.startswith("abort-"):
                 self.software = True
@@ -172,6 +178,13 @@ class WorkerWatch:
                if host == self.host and rank not in self.dead and not _alive(pid)}
         self.dead |= new
         return new
+
+    def cut_short(self) -> bool:
+        """After the launch: ranks noted that they train (``train-R.json``) and
+        not one of them noted the end of its training (each note is still
+        there): the job was ended from outside, whatever the launcher's status."""
+        self._notes()
+        return bool(self.training) and self.training <= self.train_now
 
     def local(self) -> list[int]:
         """Pids of the live workers on this host."""
@@ -389,12 +402,18 @@ class ElasticAgent:
             os.makedirs(job_dir)
             stamp = self.slots.stamp()
             proc = self._start(workers, restarts, reason, died_at, lost, job_dir)
+            watch = WorkerWatch(job_dir)
             try:
-                code, outcome = self._watch(proc, workers, stamp, WorkerWatch(job_dir))
+                code, outcome = self._watch(proc, workers, stamp, watch)
             finally:
                 if proc.poll() is None:      # the agent itself is failing: take mpirun along
                     proc.kill()
                     proc.wait()
+            why = f"exit status {code}"
+            if code == 0 and self.fault_tolerance == "ulfm" and watch.cut_short():
+                # A lost node: Open MPI 5.0's PRRTE ends the whole job and exits 0.
+                code, why = 1, ("the launcher exited 0, but no worker finished its "
+                                "training: a lost node ends an Open MPI 5.0 job")
             if code == 0 and (outcome["resize_to"] is not None or outcome["stopped"]):
                 code = self._unfinished(job_dir, outcome)
             shutil.rmtree(job_dir, ignore_errors=True)
@@ -430,19 +449,20 @@ class ElasticAgent:
             lost = outcome["lost"] or 1
             restarts += 1
             spoke = self.slots.modified_since(died_at)
-            self._event("failure", workers=workers, code=code, restarts=restarts, lost=lost,
+            self._event("failure", workers=workers, code=code, why=why, restarts=restarts,
+                        lost=lost,
                         died_at=died_at, noticed=outcome["noticed"],
                         seconds_to_exit=round(time.time() - died_at, 3),
                         slots_rewritten=spoke)
             if restarts > self.max_restarts:
-                raise self._fail(f"a worker failed (exit status {code}) and the "
+                raise self._fail(f"a worker failed ({why}) and the "
                                  f"{self.max_restarts} restart(s) allowed are used up")
             available = self._available()
             target = (next_size("slots", workers, available, self.min_workers, self.max_workers)
                       if spoke else next_size("failure", workers, available, self.min_workers,
                                               self.max_workers, lost=lost))
             if target < self.min_workers:
-                raise self._fail(f"a worker failed (exit status {code}): {target} worker(s) "
+                raise self._fail(f"a worker failed ({why}): {target} worker(s) "
                                  f"left, fewer than --min-workers {self.min_workers}")
             workers, reason = target, "failure"
 

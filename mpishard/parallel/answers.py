@@ -85,7 +85,7 @@ class RecoveryAnswers:
         if model is not None and model.params is None:   # gathered before use
             if shard is None:
                 self.placement = self.placement.unshard()
-            elif self.placement.gather is not None:
+            elif self.placement is not None and self.placement.gather is not None:
                 self.placement.gather.drop()             # the old group may be broken
         self._release()
         self._shed()

@@ -12,11 +12,12 @@ from ..errors import HandOver
 from ..exitcodes import EXIT_STOPPED
 from ..protocols import StrategyCore
 from .common import Recovered, StepMarks
+from .handover import hand_over
 from .inplace import recover_in_place
 from .shardcopy import ShardBuddy
 from .spares import promote_spares
 
-__all__ = ["RecoveryPolicy"]
+__all__ = ["RecoveryPolicy", "recover_between_calls"]
 
 
 class RecoveryPolicy:
@@ -33,11 +34,17 @@ class RecoveryPolicy:
         label: the run's name, first in a hand-over's line.
         min_workers: fewer survivors than this hand over (exit 75) after a
             checkpoint.
+        new_buddy: make buddy copies where none are kept from the last call
+            (collective over ``core.dp``); False: only a kept one (between calls,
+            where a rank may be lost already).
+
+    The buddy copies outlive the ``optimize()`` call (kept on the core): a rank
+    lost between two calls finds its shard's copy in the next one.
     """
 
     def __init__(self, core: StrategyCore, checkpoints: CheckpointManager | None,
                  save: Callable[[str], Any], label: str = "train",
-                 min_workers: int = 1) -> None:
+                 min_workers: int = 1, new_buddy: bool = True) -> None:
         self.core = core
         self.checkpoints = checkpoints
         self.save = save
@@ -45,14 +52,20 @@ class RecoveryPolicy:
         self.min_workers = min_workers
         self.active = ulfm.is_on(core.config.world)
         self.marks = StepMarks(core.step_count, core.skipped_steps, core.data_position)
-        self.buddy = self._new_buddy()
+        self.buddy = self._new_buddy(new_buddy)
 
-    def _new_buddy(self) -> ShardBuddy | None:
+    def _new_buddy(self, make: bool = True) -> ShardBuddy | None:
         core = self.core
         # Sharded state has one holder: a copy keeps a lost shard (ZeRO-2 and ZeRO-3).
         keep = (self.active and core.placement.recovery == "sharded"
                 and core.options.buddy_copies)
-        return ShardBuddy(core) if keep else None
+        if not keep:
+            return None
+        kept = getattr(core, "kept_buddy", None)
+        if kept is not None and kept.strategy is core and kept.dp is core.dp:
+            return kept     # the last call's: its copies are of the last step
+        core.kept_buddy = ShardBuddy(core) if make else None
+        return core.kept_buddy
 
     def after_step(self, position: dict[str, int]) -> None:
         """After a completed step whose data position is ``position``: refresh the
@@ -95,7 +108,7 @@ class RecoveryPolicy:
         if self.buddy is not None:   # what the copies cost so far
             event.buddy_bytes, event.buddy_seconds = self.buddy.nbytes, self.buddy.seconds
         core = self.core
-        self.buddy = None            # new copies in rearm(), once the data is open again
+        self.buddy = core.kept_buddy = None   # new copies in rearm(), the data open again
         self.marks = StepMarks(core.step_count, core.skipped_steps, core.data_position)
         world = core.config.world
         if world.size < self.min_workers:
@@ -120,3 +133,32 @@ class RecoveryPolicy:
             return over
         return HandOver(f"{self.label}: {over}; exiting with {over.exit_code} to be relaunched",
                         exit_code=over.exit_code, speaker=over.speaker, stopped=over.stopped)
+
+
+def recover_between_calls(core: StrategyCore, model: Any,
+                          checkpoints: CheckpointManager | None, label: str = "train",
+                          min_workers: int = 1) -> Recovered | None:
+    """At the start of an ``optimize()`` call of an attached training rank (fault
+    tolerance on): whether a rank of the world was lost since the last call
+    ([`lost_since`][mpishard.comm.ulfm.lost_since]: the same answer on every
+    survivor), and if so the recovery a step would make
+    ([`RecoveryPolicy.recover`][mpishard.recovery.RecoveryPolicy.recover]: spares
+    promoted, or the survivors go on, with the last call's buddy copies); None
+    when no rank was lost. Collective over ``core.config.world``. A run that
+    cannot go on ends this process with its one line
+    ([`hand_over`][mpishard.recovery.hand_over])."""
+    world = core.config.world
+    if not ulfm.is_on(world) or core.reduction is None:
+        return None
+    failure = ulfm.lost_since(world)
+    if failure is None:
+        return None
+
+    def save(reason: str) -> str | None:
+        return None if checkpoints is None else checkpoints.save(model, core)
+
+    policy = RecoveryPolicy(core, checkpoints, save, label, min_workers, new_buddy=False)
+    try:
+        return policy.recover(failure)
+    except HandOver as over:
+        hand_over(over)

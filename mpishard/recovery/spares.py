@@ -6,12 +6,13 @@
 die, the survivors ([`promote_spares`][mpishard.recovery.spares.promote_spares]):
 
 1. revoke and shrink the training world (the job's communicator is revoked with
-   it: that wakes the spares) and agree, among themselves, on the step they go on
-   from and its state, as [`recover_in_place`][mpishard.recovery.recover_in_place]
-   does (replicated state: the survivors at the newest step; sharded state: each
-   survivor's own shard and the buddy copies of the lost ones, nothing whole);
-2. shrink the job's communicator with the spares alive and gather who is who; the
-   lowest survivor sends what was agreed (a few small values);
+   it: that wakes the spares), then shrink the job's communicator with the spares
+   alive and gather who is who;
+2. agree, among themselves, on the step they go on from and its state, as
+   [`recover_in_place`][mpishard.recovery.recover_in_place] does (replicated
+   state: the survivors at the newest step; sharded state: each survivor's own
+   shard and the buddy copies of the lost ones, nothing whole); the lowest
+   survivor sends what was agreed (a few small values) over the job's communicator;
 3. *take seats*: the ``i``-th lost training rank's place goes to the ``i``-th
    spare alive (in rank order); the new training world is split from the job's
    communicator with each rank's old training rank (a spare: the lost one's) as
@@ -26,7 +27,7 @@ die, the survivors ([`promote_spares`][mpishard.recovery.spares.promote_spares])
    decision), and set the step count, skipped steps and data position.
 
 Each ``Promoted`` event carries the seconds of each part on its rank
-(``phases``: ``shrink``, ``agree``, ``job_shrink``, ``info``, ``split``,
+(``phases``: ``shrink``, ``job_shrink``, ``agree``, ``info``, ``split``,
 ``groups``, ``send``, ``rebuild``) and when it started (``started``,
 ``time.time()``), for ``benchmarks/bench_spares.py``. A spare serves every
 ``optimize()`` call of the script: a release ends one call, not its waiting.
@@ -36,7 +37,10 @@ layout. In a 3D layout the newcomer takes the lost rank's tensor and pipeline
 coordinates too, and its slice's state comes from its data-parallel group
 ([`mpishard.recovery.spares3d`][mpishard.recovery.spares3d]). Fewer spares than
 lost ranks: every spare is promoted and the data-parallel size shrinks to what
-is left (``data_parallel_size=-1``; a 3D layout hands over). No spare left:
+is left (``data_parallel_size=-1``). A 3D layout with fewer spares alive than
+lost ranks goes on as without spares: its broken replicas are dropped
+([`drop_replicas`][mpishard.recovery.replicas.drop_replicas]; the spares alive
+wait on for a later loss), or, no replica whole, it hands over. No spare left:
 today's shrink. A rank lost during steps 3-4 revokes everything and every rank ends with
 one line ([`HandOver`][mpishard.errors.HandOver], exit 75) naming the ranks.
 """
@@ -61,13 +65,15 @@ from ..parallel.options import REDUCE_METHODS
 from ..parallel.overlap import known_decisions, learn_decisions
 from ..parallel.reduction import known_reducers, learn_reducers, recalling_reducers
 from ..protocols import StrategyCore
+from ..topology import Topology
 from .common import Recovered, StepMarks, error_text
 from .inplace import communicators, recoverable
+from .replicas import drop_replicas, whole_replicas
 from .resplit import Moved, resplit
 from .shardcopy import ShardBuddy, sharded_pieces, zero2_candidates
 from .spares3d import agree_3d, send_state_3d, short_of_spares
 
-__all__ = ["Promoted", "promote_spares", "seats", "wait_as_spare"]
+__all__ = ["Promoted", "promote_spares", "seats", "staying_ranks", "wait_as_spare"]
 
 #: The tag of the state's point-to-point messages to the newcomers.
 _STATE_TAG = 0x5351
@@ -135,8 +141,10 @@ def promote_spares(core: StrategyCore, exc: BaseException | None = None, *,
 
     Raises:
         HandOver: on every rank (exit 75): a core that cannot be rebuilt so
-            (a 3D layout with one data-parallel replica), sharded state with no
-            copy of a lost shard, or a rank lost during the promotion.
+            (a 3D layout with one data-parallel replica, or too few spares and no
+            whole replica), sharded state with no copy of a lost shard, or a rank
+            lost during the promotion; on a dropped replica's alive ranks (exit 0),
+            a 3D layout with too few spares going on without that replica.
     """
     if exc is not None and not ulfm.is_failure(exc):
         raise exc
@@ -147,11 +155,48 @@ def promote_spares(core: StrategyCore, exc: BaseException | None = None, *,
     rec = ulfm.recover(old.groups.world, core.step_count,
                        also=[*communicators(core), pool.job])
     clock.lap("shrink")
+    job, every = pool.shrink(old.world.rank)       # who is alive: spares too
+    clock.lap("job_shrink")
     problem = recoverable(core)
-    step, held, layout = rec.step, None, None
+    stays = None
     if problem is None and core.drops_replicas:     # a 3D layout: spares3d.py
+        lost, seated = seats(every, old.world.size)
+        if len(seated) < len(lost):   # too few spares: as without them, if a replica is whole
+            stays = staying_ranks(old.topology, every)
+            if stays is None:
+                problem = short_of_spares(len(lost), len(seated))
+    info: dict[str, Any] = {"size": old.world.size, "dp": old.topology.dp, "step": rec.step,
+                            "lost": rec.lost, "steps": rec.steps, "problem": problem,
+                            "shrink_seconds": rec.seconds, "error": error_text(exc),
+                            "layout3d": None, "stays": stays}
+    held = None
+    if problem is None and stays is None:
+        held = _agree(core, buddy, marks, rec, info)
+    clock.lap("agree")
+    info = job.bcast(info, root=_first_trainer(every))
+    clock.lap("info")
+    if stays is not None:          # the broken replicas dropped, the spares kept waiting
+        _keep_waiting(pool, job, every, stays)
+        event = drop_replicas(core, rec, buddy=buddy, marks=marks, exc=exc)
+        core.config.spare_pool = pool
+        return core, event
+    rec.world.free()
+    event = _take_seats(core, old, pool, job, every, info, t0, held, clock)
+    assert event is not None   # a training rank always has a seat
+    return core, event
+
+
+def _agree(core: StrategyCore, buddy: ShardBuddy | None, marks: StepMarks | None,
+           rec: ulfm.Survivors, info: dict[str, Any]) -> Any:
+    """Step 2 of the module docstring on the survivors ``rec.world``: the step they
+    go on from and its state, into ``info`` (its ``problem`` where none can be
+    agreed); what this rank holds of sharded state (or, in a 3D layout,
+    [`agree_3d`][mpishard.recovery.spares3d.agree_3d]'s pieces), else None.
+    Collective over ``rec.world``."""
+    held, layout, step, problem = None, None, rec.step, None
+    if core.drops_replicas:     # a 3D layout: spares3d.py
         step, held, problem, layout = agree_3d(core, buddy, rec.world)
-    elif problem is None and core.placement.recovery == "sharded":
+    elif core.placement.recovery == "sharded":
         found = zero2_candidates(core, buddy, rec.world)
         if found:   # each survivor's own shard and the lost ones' copies, nothing whole
             step = max(found)
@@ -159,33 +204,53 @@ def promote_spares(core: StrategyCore, exc: BaseException | None = None, *,
         else:
             problem = ("the optimizer-state shard of a lost rank is gone (no buddy copy): "
                        "restart from a checkpoint")
-    info: dict[str, Any] = {"size": old.world.size, "dp": old.topology.dp, "step": step,
-                            "lost": rec.lost, "steps": rec.steps, "problem": problem,
-                            "shrink_seconds": rec.seconds, "error": error_text(exc),
-                            "layout3d": layout}
-    if problem is None:
-        marks = marks if marks is not None else StepMarks(core.step_count, core.skipped_steps,
-                                                           core.data_position)
-        info["skipped"], info["position"] = marks.agreed(
-            rec.world, core, step, rec.world.allgather(core.step_count), rec.source)
-        info["source"] = rec.world.bcast(old.world.rank, root=rec.source)
-        info["names"] = ([(k, v.dtype.str) for k, v in held[0][1].items()]
-                         if held is not None and layout is None else None)
-        info["sharded_params"] = core.model.params is None    # ZeRO-3's
-        # reduce_method="auto" was measured at the first attach, and a rebuild keeps
-        # it: a newcomer takes it instead of measuring alone.
-        info["reduce_method"] = getattr(core.reduction, "method", None)
-        info["overlap"] = known_decisions()   # overlap="auto": decided as before
-        info["reducers"] = known_reducers()   # and the reducers measured: not again
-    clock.lap("agree")
-    job, every = pool.shrink(old.world.rank)
-    clock.lap("job_shrink")
-    info = job.bcast(info, root=_first_trainer(every))
-    clock.lap("info")
-    rec.world.free()
-    event = _take_seats(core, old, pool, job, every, info, t0, held, clock)
-    assert event is not None   # a training rank always has a seat
-    return core, event
+    info.update(step=step, problem=problem, layout3d=layout)
+    if problem is not None:
+        return held
+    marks = marks if marks is not None else StepMarks(core.step_count, core.skipped_steps,
+                                                       core.data_position)
+    info["skipped"], info["position"] = marks.agreed(
+        rec.world, core, step, rec.world.allgather(core.step_count), rec.source)
+    info["source"] = rec.world.bcast(core.config.world.rank, root=rec.source)
+    info["names"] = ([(k, v.dtype.str) for k, v in held[0][1].items()]
+                     if held is not None and layout is None else None)
+    info["sharded_params"] = core.model.params is None    # ZeRO-3's
+    # reduce_method="auto" was measured at the first attach, and a rebuild keeps
+    # it: a newcomer takes it instead of measuring alone.
+    info["reduce_method"] = getattr(core.reduction, "method", None)
+    info["overlap"] = known_decisions()   # overlap="auto": decided as before
+    info["reducers"] = known_reducers()   # and the reducers measured: not again
+    return held
+
+
+def staying_ranks(topology: Topology, every: list[int]) -> list[bool] | None:
+    """A 3D layout with too few spares alive goes on as without spares: its broken
+    replicas dropped ([`drop_replicas`][mpishard.recovery.replicas.drop_replicas]).
+    Which ranks of the job's communicator stay (``every``: each one's old training
+    rank, -1 on a spare): the whole replicas' and the spares; None when no
+    replica is whole. Pure.
+
+    Example, tp 2 x dp 2 x pp 2, rank 1 lost, no spare alive: ``every = [0, 2, 3,
+    4, 5, 6, 7]`` gives replica 1's ranks 2, 3, 6, 7: ``[False, True, True, False,
+    False, True, True]``.
+    """
+    kept, _ = whole_replicas(topology, [r for r in every if r >= 0])
+    if not kept:
+        return None
+    return [r < 0 or topology.coordinates(r).dp in kept for r in every]
+
+
+def _keep_waiting(pool: SparePool, job: FlatComm, every: list[int], stays: list[bool]) -> None:
+    """After a shrink of ``job`` that promotes nobody (``stays``: which of its ranks
+    go on, a dropped replica's leave): ``pool`` over the ranks that stay, its
+    spares waiting again. Collective over ``job``."""
+    child = job.split(0 if stays[job.rank] else 1, job.rank, "job")
+    if not stays[job.rank]:
+        child.free()
+        return
+    kept = [j for j, s in enumerate(stays) if s]
+    pool.job = child
+    pool.spares = [i for i, j in enumerate(kept) if every[j] < 0]
 
 
 def wait_as_spare(core: StrategyCore, model: Any) -> Promoted | None:
@@ -230,10 +295,11 @@ def _take_seats(core: StrategyCore, template: ShardingConfiguration, pool: Spare
     left waiting (``pool`` over ``job`` now). ``held``: what a survivor holds of
     sharded state (``sharded_pieces``), or in a 3D layout ``agree_3d``'s state;
     None on a newcomer. Collective over ``job``."""
+    if info.get("stays") is not None:    # nobody promoted: a spare waits again
+        _keep_waiting(pool, job, every, info["stays"])
+        return None
     lost, seated = seats(every, info["size"])
     mine = every[job.rank] if every[job.rank] >= 0 else seated.get(job.rank)
-    if info.get("layout3d") is not None and info["problem"] is None:
-        info["problem"] = short_of_spares(len(lost), len(seated))
     speaker = job.rank == _first_trainer(every)
     if info["problem"] is not None:
         raise HandOver(f"lost world rank(s) {info['lost']} after step {info['step']}, "

@@ -18,14 +18,19 @@ order); this module is its 3D part:
   ``(tensor, pipeline)`` coordinate has a survivor at (the update after the
   step's ``Allreduce`` is local: the survivors may differ by one), each
   coordinate's state from its lowest data-parallel rank at that step. Sharded
-  state: each data-parallel group puts its slice together from its survivors'
-  shards and the buddy copies, at the newest step every group can;
+  state: the newest step every data-parallel group can rebuild exactly from its
+  survivors' shards and the buddy copies, each survivor's pieces of it (nothing
+  whole);
 * on every rank of the new world,
   [`send_state_3d`][mpishard.recovery.spares3d.send_state_3d]: the model is
   built again over the new groups (the same stage boundaries; a newcomer builds
-  the lost rank's stage and tensor slice), and the state goes from one survivor
-  of each data-parallel group to its newcomer (a ``Bcast`` over the data group
-  only: each newcomer receives its slice, nothing else).
+  the lost rank's stage and tensor slice; ZeRO-3's in shards), and the state goes to
+  each data group's newcomer: hybrid DDP, its slice by a ``Bcast`` over the data
+  group; hybrid ZeRO-2 and ZeRO-3, only its shard of the parameters and of the
+  optimizer state, from the buddy copy that holds it
+  ([`resplit`][mpishard.recovery.resplit.resplit]: the group keeps its split, so the
+  survivors keep theirs), and ZeRO-2's whole parameters by its ``Allgatherv``. No
+  rank holds a whole slice of sharded state.
 
 With ``dp == 1`` no survivor holds the lost slice: the promotion hands over (exit 75).
 """
@@ -38,12 +43,14 @@ import numpy as np
 
 from ..comm import FlatComm
 from ..config import ShardingConfiguration
+from ..flat import ParameterShard, Range, shard_ranges
 from ..nn.hybrid import HybridShardedModel
 from ..parallel.options import REDUCE_METHODS
 from ..parallel.overlap import learn_decisions
 from ..protocols import StrategyCore
 from .common import put_state
-from .shardcopy import ShardBuddy, zero2_candidates, zero2_rebuild
+from .resplit import Moved, resplit
+from .shardcopy import ShardBuddy, sharded_pieces, zero2_candidates
 
 __all__ = ["agree_3d", "newest_common_step", "send_state_3d", "short_of_spares"]
 
@@ -69,10 +76,11 @@ def newest_common_step(every: list[tuple[int, int, int, int]]
 
 def agree_3d(core: StrategyCore, buddy: ShardBuddy | None, world: FlatComm
              ) -> tuple[int, dict[str, Any] | None, str | None, dict[str, Any]]:
-    """On the survivors ``world`` of a 3D layout's training world: ``(step, full,
-    problem, layout)``: the step they go on from; ``full``: sharded state, this
-    rank's data-parallel group's whole slice at it (``"params"`` and the state's
-    vectors), None for replicated state; why the spares cannot be promoted (or
+    """On the survivors ``world`` of a 3D layout's training world: ``(step, pieces,
+    problem, layout)``: the step they go on from; ``pieces``: sharded state, what
+    this rank holds of its data group's slice at it (its own shard, the buddy copy
+    of a lost neighbour's: [`sharded_pieces`][mpishard.recovery.shardcopy.sharded_pieces]),
+    None for replicated state; why the spares cannot be promoted (or
     None); ``layout``: what every rank of the new world needs (the stage
     boundaries, each coordinate's source rank or the state's names), for the
     ``info`` the newcomers receive. Collective over ``world``."""
@@ -104,21 +112,22 @@ def agree_3d(core: StrategyCore, buddy: ShardBuddy | None, world: FlatComm
                     "the optimizer-state shard of a lost rank is gone (no buddy copy of it "
                     "in its data-parallel group): restart from a checkpoint", layout)
         step = max(common)
-        params, state = zero2_rebuild(core, buddy, group, step)
+        # Its own shard and the buddy copy of a lost neighbour's: nothing whole.
+        pieces = sharded_pieces(core, buddy, group, step)
     finally:
         group.free()
-    full = {"params": params, **state}
-    layout["names"] = [(k, v.dtype.str) for k, v in full.items()]
-    return step, full, None, layout
+    layout["names"] = [(k, np.dtype(v.dtype).str) for k, v in pieces[0][1].items()]
+    layout["sharded_params"] = core.model.params is None     # ZeRO-3's
+    return step, pieces, None, layout
 
 
 def send_state_3d(core: StrategyCore, config: ShardingConfiguration, info: dict[str, Any],
-                  full: dict[str, Any] | None) -> int:
+                  held: list[tuple[Range, dict[str, Any]]] | None) -> int:
     """The model and ``core`` rebuilt over ``config`` (the survivors and the promoted
     spares, each at its coordinates) and each data-parallel group's agreed state sent
-    from a survivor to its newcomer; the bytes each newcomer of this rank's group
-    received. ``info["layout3d"]``: [`agree_3d`][mpishard.recovery.spares3d.agree_3d]'s
-    ``layout``; ``full``: its ``full`` on a survivor, None on a newcomer.
+    to its newcomer; the bytes the newcomers received, together.
+    ``info["layout3d"]``: [`agree_3d`][mpishard.recovery.spares3d.agree_3d]'s
+    ``layout``; ``held``: its pieces on a survivor of sharded state, else None.
     Collective over ``config.world``."""
     layout = info["layout3d"]
     model = core.model
@@ -127,42 +136,76 @@ def send_state_3d(core: StrategyCore, config: ShardingConfiguration, info: dict[
         learn_decisions(info["overlap"])
         if info["reduce_method"] in REDUCE_METHODS and hasattr(core.options, "reduce_method"):
             core.replace_options(reduce_method=info["reduce_method"])
-    seat_model(model, config, layout["stages"], keep=not newcomer)
+    sharded = "names" in layout
+    seat_model(model, config, layout["stages"], keep=not newcomer and not sharded,
+               in_shards=sharded and layout["sharded_params"])
     dp = config.groups.dp
-    if "names" in layout:      # sharded: each group's whole slice, each keeps its shard
-        root = dp.allgather(not newcomer).index(True)
-        if full is None:
-            full = {name: np.empty(model.layout.size, dtype=np.dtype(dtype))
-                    for name, dtype in layout["names"]}
-        for name, _ in layout["names"]:
-            dp.Bcast(full[name], root=root, slot=("spares", name))
-        if model.params is not None:
-            model.params[...] = full["params"]
-        core.rebuild(config)
-        put_state(core, {k: v for k, v in full.items() if k != "params"}, {}, dp, root)
-        return sum(v.nbytes for v in full.values())
+    if sharded:
+        return _move_slice_shards(core, config, layout, held or [])
     c = config.groups.coordinates
     root = layout["roots"][(c.tp, c.pp)]
     dp.Bcast(model.params, root=root, slot=("spares", "params"))
     old_state = None if newcomer else dict(core.state)
     core.rebuild(config)
     put_state(core, None, old_state if old_state is not None else dict(core.state), dp, root)
-    return model.params.nbytes + sum(v.nbytes for v in core.state.values())
+    mine = model.params.nbytes + sum(v.nbytes for v in core.state.values()) if newcomer else 0
+    return sum(config.world.allgather(mine))
+
+
+def _move_slice_shards(core: StrategyCore, config: ShardingConfiguration,
+                       layout: dict[str, Any], pieces: list[tuple[Range, dict[str, Any]]]
+                       ) -> int:
+    """Sharded state (hybrid ZeRO-2, ZeRO-3): the data group keeps its split, so each
+    survivor keeps its shard and the newcomer receives the lost one from the buddy
+    copy ([`resplit`][mpishard.recovery.resplit.resplit]), nothing whole: ZeRO-3's
+    parameters stay in shards (the stage was built so), ZeRO-2's whole parameters
+    are put together by its ``Allgatherv``. The bytes the newcomers received,
+    together. Collective over ``config.groups.dp`` (``config.world`` in the rebuild)."""
+    dp, model = config.groups.dp, core.model
+    newcomer = core.reduction is None
+    xp, size = model.xp, model.layout.size
+    shards = shard_ranges(size, dp.size)
+    want = shards[dp.rank]
+    dtypes = {name: np.dtype(dtype) for name, dtype in layout["names"]}
+    params = {"params": dtypes.pop("params")}
+    moved = Moved()
+    if layout["sharded_params"]:     # straight into the stage's new shard, kept as the store
+        built = model.built_shard()
+        out = {"params": built[1]} if built is not None and built[0] == want else None
+        store = resplit(dp, pieces, want, params, xp, moved, out=out)["params"]
+        core.rebuild(config, shard=store)
+    else:
+        resplit(dp, pieces, want, params, xp, moved,
+                out={"params": model.params[want.start:want.stop]})
+        if dp.size > 1:
+            dp.Allgatherv(model.params, [len(s) for s in shards], slot="recovery")
+        core.rebuild(config, agreed=True)
+    resplit(dp, pieces, want, dtypes, xp, moved, out=core.state)
+    pieces.clear()
+    mine = 0
+    if newcomer:    # its shard of each vector, and ZeRO-2's gathered parameters
+        mine = len(want) * sum(d.itemsize for d in dtypes.values())
+        mine += (len(want) if layout["sharded_params"] else size) * params["params"].itemsize
+    return sum(config.world.allgather(mine))
 
 
 def seat_model(model: HybridShardedModel, config: ShardingConfiguration,
-               stages: list[list[int]], keep: bool) -> None:
+               stages: list[list[int]], keep: bool, in_shards: bool = False) -> None:
     """Build ``model`` again over ``config`` in place (the same object, factory,
     micro-batches, schedule and stage boundaries ``stages``), at this rank's
     coordinates there: a survivor's own (its parameters kept where ``keep``), a
-    promoted spare's the lost rank's. Collective over ``config.world``."""
+    promoted spare's the lost rank's (its placeholder freed first). ``in_shards``:
+    ZeRO-3's stage, built in shards over the data group, nothing whole.
+    Collective over ``config.world``."""
     params = model.params.copy() if keep and model.params is not None else None
+    model.stage_model = model.runner = None    # the old stage goes before the new one
+    dp = config.groups.dp
     HybridShardedModel.__init__(model, model._factory, config,
                                 micro_batches=model.micro_batches, schedule=model.schedule,
-                                stages=[tuple(s) for s in stages])
+                                stages=[tuple(s) for s in stages],
+                                shard=ParameterShard(dp.rank, dp.size) if in_shards else None)
     if params is not None and model.params is not None:
         model.params[...] = params
-
 
 
 def short_of_spares(lost: int, seated: int) -> str | None:

@@ -16,9 +16,11 @@ from typing import Any
 
 from ..checkpoint import CheckpointManager
 from ..checkpoint.background import discard_checkpoint
+from ..comm import stuck
 from ..errors import DataPositionWarning, HandOver
 from ..protocols import Model, StrategyCore
 from ..recovery import Recovered, RecoveryPolicy, hand_over, wait_as_spare
+from ..recovery.policy import recover_between_calls
 from .evaluate import evaluation_group
 from .feeding import Batch, Feeder
 from .options import Checkpointing, Reporting, Sampling, option_groups
@@ -60,6 +62,11 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
     trains, joined = _take_part(core, model)
     if not trains:
         return TrainResult(spare="unused")
+    promoted = joined is not None
+    if not promoted:   # a rank lost since the last call: recovered first, as in a step
+        joined = recover_between_calls(core, model, checkpointing.manager, reporting.label,
+                                       checkpointing.min_workers)
+    stuck.note_training(True)   # removed at the end: left, it says training was cut short
     continuing = core.data_position is not None
     feeder = Feeder(core, model, data, epochs, batch_size, sampling)
     result = TrainResult(first_step=core.step_count, last_step=core.step_count)
@@ -71,11 +78,11 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
     steps = _Steps(core, model, feeder, report, saver, recovery, result, callback, stop,
                    max_steps, checkpointing.every)
     if joined is not None:   # as the survivors do after the recovery
-        result.spare = "promoted"
+        result.spare = "promoted" if promoted else None
         steps.went_on(joined)
     elif feeder.finished() and continuing and core.config.world.rank == 0:
         _warn_nothing_to_train(feeder, epochs)
-    if joined is None:
+    if not promoted:
         report.start(batch_size, feeder.per_epoch)
     try:
         _run_recovering(steps, saver, recovery, feeder, report, result)
@@ -84,6 +91,7 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
         result.val_loss = report.validation_at_end(core.step_count, model,
                                                    evaluation_group(core))
         report.end(core.step_count)
+        stuck.note_training(False)
     finally:
         report.close()
     return result

@@ -42,7 +42,8 @@ from strategies import build, whole
 
 assert ulfm.available()[0], ulfm.available()[1]
 NAME, SPARES, REPRO, CALLS = {name!r}, {spares}, {repro}, {calls}   # CALLS: epoch totals
-KILLS = {kills}            # (world rank, step, phase): "between", "backward", "waiting"
+KILLS = {kills}   # (world rank, step, phase): "between", "backward", "waiting";
+                  # (world rank, call, "after_call"): when that call has returned
 rank = MPI.COMM_WORLD.rank
 rng = np.random.default_rng(0)
 ROWS = 24
@@ -78,11 +79,14 @@ def run(kills):
                 os.kill(pids[who], signal.SIGKILL)     # a spare, while it waits
                 print(f"KILL {{who}} waiting {{time.time():.6f}}", flush=True)
     seen, recoveries = [], []
-    for epochs in CALLS:       # the same optimizer over several optimize() calls
+    for call, epochs in enumerate(CALLS):   # the same optimizer over several calls
         result = opt.optimize(model, (X, Y), epochs=epochs, batch_size=ROWS, seed=3,
                               callback=callback)
         seen.append(result.spare)
         recoveries += result.recoveries
+        for who, at, phase in kills:
+            if who == rank and phase == "after_call" and at == call:
+                die("after call")     # between this call and the next
     result.recoveries, result.spare = recoveries, seen[-1]
     return opt, result, seen
 
@@ -190,6 +194,38 @@ def test_a_spare_lost_while_waiting_then_one_used_in_a_later_call_then_one_more_
     # over 3 ranks (the same global batches: float64 sums in another order).
     for r in result["ranks"]:
         assert r["error"] < 1e-10, r
+
+
+@pytest.mark.parametrize("name,repro", [("ddp", True), ("zero2", False)])
+def test_a_rank_lost_between_two_calls_is_replaced_in_the_next_one(name, repro):
+    # Rank 1 dies after the first optimize() call returned (step 8): the second
+    # call's first collective (a fault-tolerant agreement) finds it, the spare
+    # takes its place from the survivors (ZeRO-2: the first call's buddy copy of
+    # its shard) and the run ends as the one that lost nothing (before: the
+    # survivors' next collective failed outside a step, a traceback or a hang).
+    result, out = _job(name, [(1, 0, "after_call")], repro=repro, calls=(1, 2), timeout=120)
+    [rec] = result["recoveries"]
+    assert rec["from"] == "spares" and rec["lost_ranks"] == [1], rec
+    assert rec["promoted"] == [4] and rec["step"] == 8 and rec["world_size"] == 4, rec
+    assert result["steps"] == 16 and result["world_size"] == 4, result
+    calls = {r["rank"]: r["calls"] for r in result["ranks"]}
+    assert calls[4] == ["unused", "promoted"] and calls[0] == [None, None], calls
+    for r in result["ranks"]:
+        assert r["close"] and r["losses_close"], (r, out)
+        if repro:
+            assert r["equal"] and r["losses_equal"], r
+
+
+def test_a_rank_lost_between_two_calls_without_spares_shrinks_in_the_next_one():
+    # No spare: the second call goes on over the 3 survivors from step 8.
+    result, out = _job("zero2", [(1, 0, "after_call")], spares=0, n=4, calls=(1, 2),
+                       timeout=120)
+    [rec] = result["recoveries"]
+    assert rec["from"] == "buddy" and rec["lost_ranks"] == [1], rec
+    assert rec["step"] == 8 and rec["world_size"] == 3, rec
+    assert result["steps"] == 16 and result["world_size"] == 3, result
+    for r in result["ranks"]:   # the same global batches over 3 ranks
+        assert r["error"] < 1e-10, (r, out)
 
 
 PROMOTION_JOB = r"""

@@ -46,14 +46,27 @@ from strategies import whole
 assert ulfm.available()[0], ulfm.available()[1]
 STRATEGY, REPRO, KILLS, TP, PP = {strategy!r}, {repro}, {kills}, {tp}, {pp}
 IN_PROMOTION = {in_promotion}      # a world rank that dies as the state is sent, or None
+SIZES, MEASURE = {sizes}, {measure}
 rank = MPI.COMM_WORLD.rank
 rng = np.random.default_rng(0)
 ROWS = 8
 X = rng.standard_normal((4 * ROWS, 6))
 Y = rng.integers(0, 4, 4 * ROWS)
 pids = MPI.COMM_WORLD.allgather(os.getpid())
-factory = functools.partial(ParallelMLP, [6, 8, 8, 4], activation="tanh", dtype=np.float64,
-                            seed=5)
+factory = functools.partial(ParallelMLP, SIZES, activation="tanh", dtype=np.float64, seed=5)
+PEAK = []     # the spare's promotion (tracemalloc): (bytes it still holds, peak bytes)
+if MEASURE and rank == 8:
+    import tracemalloc
+    from mpishard.recovery import spares as promotion
+    real_take_seats = promotion._take_seats
+    def take_seats(*a, **k):
+        tracemalloc.start()      # after its placeholder: what the promotion allocates
+        try:
+            return real_take_seats(*a, **k)
+        finally:
+            PEAK.append(tracemalloc.get_traced_memory())   # (held after, peak)
+            tracemalloc.stop()
+    promotion._take_seats = take_seats
 
 
 def die(why):
@@ -62,10 +75,11 @@ def die(why):
 
 
 def run(kills):
+    global MODEL
     config = ShardingConfiguration(timeout=60, fault_tolerance="ulfm", spares=1,
                                    reproducible=REPRO, tensor_parallel_size=TP,
                                    pipeline_parallel_size=PP)
-    model = HybridShardedModel(factory, config, micro_batches=2)
+    model = MODEL = HybridShardedModel(factory, config, micro_batches=2)
     opt = HybridShardedOptimizer(Adam(lr=1e-2), config, data_parallel=STRATEGY, model=model)
     for who, at, phase in kills:
         if who == rank and phase == "backward":
@@ -116,7 +130,9 @@ if result.spare != "unused":
              "close": bool(np.allclose(final, expected, rtol=1e-12, atol=0)),
              "error": float(np.max(np.abs(final - expected) / np.abs(expected))),
              "losses_equal": result.losses == losses,
-             "losses_close": bool(np.allclose(result.losses, losses, rtol=1e-12, atol=0))}}
+             "losses_close": bool(np.allclose(result.losses, losses, rtol=1e-12, atol=0)),
+             "peak": PEAK[-1] if PEAK else None,
+             "slice_bytes": MODEL.layout.size * 8}}
     every = opt.config.world.allgather(mine)
     if opt.config.world.rank == 0:
         print("RESULT " + json.dumps({{
@@ -127,10 +143,12 @@ ulfm.exit_now(0)      # not MPI_Finalize: it may wait for the dead ranks (ompi#1
 """
 
 
-def _code(strategy, kills, *, repro=False, tp=2, pp=2, in_promotion=None):
+def _code(strategy, kills, *, repro=False, tp=2, pp=2, in_promotion=None,
+          sizes=(6, 8, 8, 4), measure=False):
     from mpijobs import SUPPORT
     return f"import sys; sys.path.insert(0, {str(SUPPORT)!r})\n" + JOB.format(
-        strategy=strategy, repro=repro, kills=kills, tp=tp, pp=pp, in_promotion=in_promotion)
+        strategy=strategy, repro=repro, kills=kills, tp=tp, pp=pp, in_promotion=in_promotion,
+        sizes=list(sizes), measure=measure)
 
 
 def _draw(name):
@@ -187,6 +205,41 @@ def test_a_spare_takes_a_tensor_ranks_place_in_a_3d_layout(strategy, repro):
             assert r["equal"] and r["losses_equal"], r
     print(f"{strategy} victim {victim} step {step} {phase}: recovery {rec['seconds']:.3f} s, "
           f"{rec['sent_bytes']} bytes to the newcomer")
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_the_newcomer_receives_only_its_shard_under_3d_zero(strategy):
+    # A wider stage (each tensor slice ~34k float64 parameters): rank 1 (dp 0, tp 1,
+    # pp 0) dies in its backward at step 3; the spare gets only its shard of the
+    # optimizer state (and of ZeRO-3's parameters) from the buddy copy. What its
+    # promotion allocates beyond what it then holds to train (tracemalloc: peak
+    # minus held) stays under 1.5 slices; the whole slice sent before (parameters,
+    # m, v, and the stage built whole) made it 3.0 (ZeRO-2) and 4.0 (ZeRO-3)
+    # slices. The run ends as the one that lost nothing.
+    _ft_or_skip()
+    job = ulfm_job(9, _code(strategy, [(1, 3, "backward")], repro=strategy == "zero3",
+                            sizes=(6, 256, 256, 256, 4), measure=True), timeout=240)
+    out = job.stdout
+    match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
+    assert match, out
+    assert job.returncode in (0, None) and "Traceback" not in out, out
+    result = json.loads(match.group(1))
+    [rec] = result["recoveries"]
+    assert rec["from"] == "spares" and rec["promoted"] == [8], rec
+    assert result["steps"] == 8 and result["world_size"] == 8, result
+    spare = next(r for r in result["ranks"] if r["spare"] == "promoted")
+    slice_bytes, half = spare["slice_bytes"], spare["slice_bytes"] // 2
+    # Its shard of parameters, m and v (ZeRO-2: the whole parameters, gathered).
+    assert rec["sent_bytes"] == (3 * half if strategy == "zero3" else slice_bytes + 2 * half), rec
+    held, peak = spare["peak"]
+    assert peak - held < 1.5 * slice_bytes, (held, peak, slice_bytes)
+    for r in result["ranks"]:
+        assert r["close"] and r["losses_close"], r
+        if strategy == "zero3":
+            assert r["equal"] and r["losses_equal"], r
+    print(f"{strategy}: newcomer's promotion peak {peak} B, held after {held} B, "
+          f"slice {slice_bytes} B, "
+          f"received {rec['sent_bytes']} B")
 
 
 def test_a_rank_lost_while_the_3d_state_is_sent_ends_with_one_line():
@@ -253,16 +306,44 @@ def test_the_spare_used_then_one_more_loss_drops_the_broken_replica():
         assert r["error"] < 1e-10, r
 
 
-def test_the_spare_lost_while_waiting_then_a_loss_hands_over_naming_it():
+def _dropped_replica_run(job, dropped, kept):
+    """The job went on over the whole replica (world ranks ``kept``, dp 1) after
+    dropping the broken one (its alive ranks ``dropped``), as without spares."""
+    out = job.stdout
+    match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
+    assert match, out
+    assert job.returncode in (0, None) and "Traceback" not in out, out
+    result = json.loads(match.group(1))
+    [rec] = result["recoveries"]
+    assert rec["from"] == "replica" and rec["dropped_ranks"] == dropped, rec
+    assert rec["data_parallel_size"] == 1 and rec["world_size"] == 4, rec
+    assert result["world_size"] == 4 and result["steps"] == 8, result
+    assert sorted(r["rank"] for r in result["ranks"]) == kept, result
+    for r in result["ranks"]:   # the same global batches over one replica
+        assert r["error"] < 1e-10, r
+    return rec
+
+
+def test_the_spare_lost_while_waiting_then_a_loss_drops_the_broken_replica():
     # The spare (world rank 8) is killed while it waits (nobody notices), rank 1
-    # dies after step 3: the shrink finds no spare alive, one line, exit 75.
+    # dies after step 3: the shrink finds no spare alive, and the run goes on as
+    # without spares: replica 0 (world ranks 0, 1, 4, 5) is dropped, replica 1
+    # goes on alone (it handed over with exit 75 before).
     _ft_or_skip()
-    job = ulfm_job(9, _code("ddp", [(8, 1, "waiting"), (1, 3, "between")], in_promotion=-1),
-                   timeout=120)
-    _hands_over_saying(job, (
-        "[mpishard] train: lost world rank(s) [1] after step 3, spares not promoted: 1 "
-        "training rank(s) lost, 0 spare(s) alive: a 3D layout needs a spare for each lost "
-        "rank; exiting with 75 to be relaunched"))
+    job = ulfm_job(9, _code("ddp", [(8, 1, "waiting"), (1, 3, "between")]), timeout=150)
+    rec = _dropped_replica_run(job, [0, 4, 5], [2, 3, 6, 7])
+    assert rec["lost_ranks"] == [1] and rec["step"] == 3, rec
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_two_losses_in_one_replica_with_one_spare_drop_it_and_the_spare_waits(strategy):
+    # Ranks 1 and 4 (both of replica 0) die after step 3, one spare alive: too few
+    # for both places, so replica 0 is dropped as without spares; the spare keeps
+    # waiting and is released at the end (no hang).
+    _ft_or_skip()
+    job = ulfm_job(9, _code(strategy, [(1, 3, "between"), (4, 3, "between")]), timeout=150)
+    rec = _dropped_replica_run(job, [0, 5], [2, 3, 6, 7])
+    assert rec["lost_ranks"] == [1, 4], rec
 
 
 def test_the_newest_step_every_slice_holds_and_its_sources():

@@ -19,13 +19,17 @@ and, after step 10, takes node 1 away from outside:
   ends the whole job with its one message naming the node ("lost communication
   with a remote daemon", or "a daemon failed to report back" when the exit of the
   launcher that started it is seen first); the test checks that the job ends (no
-  hang), with that message, and prints how long it took.
+  hang), with that message, and prints how long it took. ``prterun`` then exits
+  0; under ``mpishard run --fault-tolerance ulfm`` the agent sees that no worker
+  finished its training (their ``train-R.json`` notes are left) and fails with
+  one line and exit 1.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -115,18 +119,28 @@ def _kill_ranks_of_node1() -> None:
             pass
 
 
-def _watched_job(cluster, tmp_path, take_node_away, *, reference: bool, timeout: float = 150):
-    """Run the job, call ``take_node_away()`` after step 10 of the watched run;
-    ``(output, return code, time.time() of the loss, seconds from it to the end)``."""
+def _watched_job(cluster, tmp_path, take_node_away, *, reference: bool, timeout: float = 150,
+                 under_agent: bool = False):
+    """Run the job (``under_agent``: through ``mpishard run --fault-tolerance ulfm
+    --spares 2 --max-restarts 0``), call ``take_node_away()`` after step 10 of the
+    watched run; ``(output, return code, time.time() of the loss, seconds from it to
+    the end)``."""
     script = tmp_path / "job.py"
     script.write_text(JOB.format(reference=reference))
     agent = re.search(r"plm_rsh_agent (\S+)", cluster["MPISHARD_CLUSTER_MPIRUN_FLAGS"]).group(1)
-    command = [*cluster["MPISHARD_CLUSTER_EXEC"].split(), str(MPIRUN), "--with-ft", "ulfm",
-               "--mca", "coll", "^han", "--host", f"{HOSTS[0]}:4,{HOSTS[1]}:2",
-               "--prtemca", "plm_ssh_agent", agent, "--prtemca", "plm_ssh_no_tree_spawn", "1",
-               "--prtemca", "oob_tcp_if_include", SUBNET, "--mca", "btl_tcp_if_include",
-               SUBNET, "--mca", "btl", "tcp,sm,self", "--map-by", "node", "-n", "6",
-               sys.executable, str(script)]
+    flags = ["--host", f"{HOSTS[0]}:4,{HOSTS[1]}:2",
+             "--prtemca", "plm_ssh_agent", agent, "--prtemca", "plm_ssh_no_tree_spawn", "1",
+             "--prtemca", "oob_tcp_if_include", SUBNET, "--mca", "btl_tcp_if_include",
+             SUBNET, "--mca", "btl", "tcp,sm,self", "--map-by", "node"]
+    worker = [sys.executable, str(script)]
+    if under_agent:   # mpirun --with-ft ulfm --mca coll ^han -n 6 FLAGS (the agent's)
+        launch = [sys.executable, "-m", "mpishard", "run", "--fault-tolerance", "ulfm",
+                  "--spares", "2", "--workers", "6", "--min-workers", "3", "--max-restarts", "0",
+                  f"--launcher-args={shlex.join(flags)}", "--", *worker]
+    else:
+        launch = [str(MPIRUN), "--with-ft", "ulfm", "--mca", "coll", "^han", *flags,
+                  "-n", "6", *worker]
+    command = [*cluster["MPISHARD_CLUSTER_EXEC"].split(), *launch]
     env = mpi_env({"PATH": f"{MPIRUN.parent}:{mpi_env()['PATH']}"})   # prted on each node
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
@@ -192,3 +206,25 @@ def test_a_node_down_with_its_daemon_ends_the_job_with_prrtes_message(cluster, t
                          rf"Remote host: +{HOSTS[1]}", out, re.DOTALL)
     assert lost_daemon or launcher, out
     print(f"{HOSTS[1]} down (daemon too): the job ended {seconds:.2f} s later, exit {code}")
+
+
+def test_a_node_down_under_mpishard_run_fails_with_one_line(cluster, tmp_path):
+    # The same loss under `mpishard run`: PRRTE still ends the job and exits 0,
+    # but no worker finished its training (each one's train-R.json note is left
+    # in the launch folder): the agent takes it as a failure, and with no
+    # restart allowed ends with one line and exit 1 (it exited 0 before).
+    try:
+        out, code, lost, seconds = _watched_job(
+            cluster, tmp_path, lambda: cluster_local("down", "1"), reference=False,
+            timeout=120, under_agent=True)
+    finally:
+        cluster_local("up", "1")
+    assert lost is not None and "KILLED after" not in out, out
+    assert "RESULT" not in out, out
+    assert code == 1, out
+    lines = [line for line in out.splitlines() if line.startswith("mpishard run:")]
+    assert len(lines) == 1 and lines[0].startswith(
+        "mpishard run: a worker failed (the launcher exited 0, but no worker finished its "
+        "training: a lost node ends an Open MPI 5.0 job) and the 0 restart(s) allowed are "
+        "used up"), out
+    print(f"{HOSTS[1]} down under mpishard run: ended {seconds:.2f} s later, exit {code}")
