@@ -22,13 +22,15 @@ def environment_info() -> dict[str, object]:
 
     # Imported here, not at the top: importing mpishard.comm initialises MPI, and
     # only the commands that run as MPI ranks may (``mpishard run`` starts mpirun).
-    from .comm import cuda_aware_reason, mpi_library_info, reproducibility_info
+    from .comm import cuda_aware_reason, mpi_library_info, reproducibility_info, waiting
 
     info: dict[str, object] = {
         "mpishard": __version__,
         **mpi_library_info(),
         "numpy": numpy.__version__,
         "threads_per_rank": os.environ.get("OMP_NUM_THREADS", "unset"),
+        # How untimed waits wait (comm/waiting.py; docs/install.md, "Waiting ranks").
+        "waits": "nap" if waiting.naps() else "spin",
     }
     try:
         import h5py
