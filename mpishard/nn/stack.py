@@ -24,6 +24,7 @@ from ..flat import ParameterShard, ParamLayout, Range
 from ..protocols import BACKWARD, FORWARD, INFERENCE, BackwardHooks, ParameterHooks
 from .activations import pair_bias_activations
 from .base import BatchContext, Layer
+from .handover import HandOver, HandOverState, plan_layer
 from .losses import Loss
 from .shards import TensorShard
 
@@ -48,6 +49,11 @@ class _Workspace:
     out: Any = None
     grad_out: Any = None                # d(loss)/d(output) left by loss()
     state: str = _DONE
+
+
+def _shared(stack: Any) -> HandOverState:
+    """A fresh state shared by a model's hand-overs (hooks, accumulation)."""
+    return HandOverState(xp=stack.xp, dtype=stack.dtype)
 
 
 def _kind(buf: Any) -> Any:
@@ -220,6 +226,8 @@ class LayerStack:
         self._calls = 0
         self._workspaces: dict[tuple[bool, int], _Workspace] = {}
         self._scratch: list[dict[str, Any]] | None = None
+        #: Per layer, its gradients' hand-over by piece (bind_gradient_pieces), or None.
+        self._handovers: list[HandOver | None] | None = None
 
     def _build_whole(self, xp: Any) -> None:
         """Both whole vectors, each layer built on its views and initialised."""
@@ -401,6 +409,49 @@ class LayerStack:
             TypeError: a view has the wrong dtype or backend.
         """
         self._grad_views = self._views_of(self._checked(view, "gradient"))
+        self._handovers = None
+        self.grads = None
+
+    def gradient_pieces(self, max_elements: int) -> list[Range]:
+        """The world ranges the backward writes in one go once
+        [`bind_gradient_pieces`][mpishard.nn.LayerStack.bind_gradient_pieces]
+        bound it with ``max_elements``, in layout order: groups of whole
+        tensors, and row blocks of at most ``max_elements`` of the 2-D weights
+        ([`mpishard.nn.handover`][mpishard.nn.handover]). Gradient buckets cut
+        at these bound the buffers by the bucket size, not the largest layer."""
+        out: list[Range] = []
+        for layer, names, r in zip(self.layers, self._names, self._ranges):
+            if r is not None:
+                pieces, _ = plan_layer(layer, names, self.layout, max_elements, None,
+                                       _shared(self))
+                out += reversed(pieces)
+        return out
+
+    def bind_gradient_pieces(self, view: Callable[[Range], Any], max_elements: int) -> None:
+        """Write the gradients piece by piece (``gradient_pieces(max_elements)``)
+        into ``view(piece)`` (a 1-D array of the piece's length), each piece
+        between the backward hooks' ``before(piece)`` and ``after(piece)``,
+        pieces in descending offsets. ``view`` is called once per piece, here;
+        ``grads`` becomes None (``bind_gradients`` undoes it).
+
+        Raises:
+            ValueError: a view of the wrong length.
+        """
+        shared = _shared(self)
+
+        def checked(r: Range) -> Any:
+            v = view(r)
+            if tuple(v.shape) != (len(r),) or v.dtype != self.dtype:
+                raise ValueError(f"gradient view of {r}: expecting ({len(r)},) {self.dtype}, "
+                                 f"got {tuple(v.shape)} {v.dtype}")
+            return v
+
+        self._handovers = [
+            None if r is None else
+            plan_layer(layer, names, self.layout, max_elements, checked, shared)[1]
+            for layer, names, r in zip(self.layers, self._names, self._ranges)]
+        self._handover_state = shared
+        self._grad_views = None
         self.grads = None
 
     # -- the ShardableModel protocol -------------------------------------------------------
@@ -588,14 +639,19 @@ class LayerStack:
     def _backward(self, dy: Any, ws: _Workspace, accumulate: bool) -> Any:
         """Layers last to first: parameter gradients between the hooks, then dx
         (the parameter hooks around both: each may read the parameters)."""
-        hooks, reads = self._hooks, self._param_hooks
-        scratch = self._accumulation_scratch() if accumulate else None
+        hooks, reads, hands = self._hooks, self._param_hooks, self._handovers
+        if hands is not None:
+            self._handover_state.hooks = hooks
+            self._handover_state.accumulate = accumulate
+        scratch = self._accumulation_scratch() if accumulate and hands is None else None
         stop = self._first_param if self.is_first_stage else 0
         for j in range(len(self.layers) - 1, stop - 1, -1):
             layer, buf, r = self.layers[j], ws.layers[j], self._ranges[j]
             if reads is not None and r is not None:
                 reads.before(r, BACKWARD)
-            if r is not None:
+            if r is not None and hands is not None:
+                hands[j].backward(layer, dy, buf)
+            elif r is not None:
                 if hooks is not None:
                     hooks.before(r)
                 layer.backward_params(dy, buf, self._grad_views[j],
