@@ -13,7 +13,8 @@ stage that holds layer 3.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,22 @@ from .handover import HandOver, HandOverState, plan_layer
 from .losses import Loss
 from .shards import TensorShard
 
-__all__ = ["LayerStack"]
+__all__ = ["LayerStack", "uninitialised_shards"]
+
+# Within uninitialised_shards(): models built in shards skip the initialisation.
+_SKIP_INIT = [False]
+
+
+@contextmanager
+def uninitialised_shards() -> Iterator[None]:
+    """Within it, a model built in shards (``shard=``) allocates its shard but
+    does not initialise it (it holds zeros): for a rebuild whose values are moved
+    in next (a recovery's), where drawing them would be compute thrown away. Local."""
+    before, _SKIP_INIT[0] = _SKIP_INIT[0], True
+    try:
+        yield
+    finally:
+        _SKIP_INIT[0] = before
 
 
 # -- a range of top-level layers: the model and pipeline-stage class -------------------
@@ -54,6 +70,21 @@ class _Workspace:
 def _shared(stack: Any) -> HandOverState:
     """A fresh state shared by a model's hand-overs (hooks, accumulation)."""
     return HandOverState(xp=stack.xp, dtype=stack.dtype)
+
+
+def _collect_arrays(obj: Any, held: dict[int, Any]) -> None:
+    """Every array in ``obj`` (nested dicts, lists and tuples) into ``held``, by
+    the id of the array that owns its memory (a view's base)."""
+    if isinstance(obj, dict):
+        for value in obj.values():
+            _collect_arrays(value, held)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _collect_arrays(value, held)
+    elif hasattr(obj, "nbytes") and hasattr(obj, "shape"):
+        while getattr(obj, "base", None) is not None and hasattr(obj.base, "nbytes"):
+            obj = obj.base
+        held[id(obj)] = obj
 
 
 def _kind(buf: Any) -> Any:
@@ -258,6 +289,8 @@ class LayerStack:
             layer.build(i, self.xp, self.dtype, {
                 local: self.layout.view(scratch, name, base) for local, name in self._names[j]})
             mine = r.intersect(shard) if r is not None else Range(0, 0)
+            if _SKIP_INIT[0] and r is not None:
+                continue        # uninitialised_shards(): the values are moved in next
             if r is None or len(mine):
                 layer.init_params(np.random.default_rng([self.seed, i]))
             if len(mine):
@@ -387,15 +420,15 @@ class LayerStack:
 
     def activation_bytes(self) -> int:
         """Bytes held by the training workspaces of every micro-batch slot
-        (activations, their gradients and the loss's buffers)."""
-        total = 0
+        (activations, their gradients, the layers' scratch and the loss's
+        buffers): every array they hold, nested ones included (a block's
+        sub-layers), each allocation counted once (a view, such as a layer's
+        reference to its input, counts the array it is a view of). Local."""
+        held: dict[int, Any] = {}
         for (train, _), ws in self._workspaces.items():
-            if not train:
-                continue
-            arrays = [ws.x, ws.dy] + [a for d in ws.layers for a in d.values()]
-            arrays += list(ws.loss.values()) if ws.loss else []
-            total += sum(int(getattr(a, "nbytes", 0)) for a in arrays if a is not None)
-        return total
+            if train:
+                _collect_arrays([ws.x, ws.dy, ws.layers, ws.loss], held)
+        return sum(int(a.nbytes) for a in held.values())
 
     # -- the BucketedModel protocol -------------------------------------------------------
 
