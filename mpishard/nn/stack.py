@@ -259,6 +259,7 @@ class LayerStack:
         self._scratch: list[dict[str, Any]] | None = None
         #: Per layer, its gradients' hand-over by piece (bind_gradient_pieces), or None.
         self._handovers: list[HandOver | None] | None = None
+        self._handover_state: HandOverState | None = None
 
     def _build_whole(self, xp: Any) -> None:
         """Both whole vectors, each layer built on its views and initialised."""
