@@ -20,7 +20,9 @@ shard and the gather buffers over the shard and the two largest neighbouring
 gather buckets, what prefetch needs at once) and
 ``state_over_shards_plus_two_buckets`` (the peak of parameters, gradients,
 state and buffers over the shards of the three and those two buckets: the
-gradient buffers are the difference). ``--deep-layers`` adds a deep GPT for
+gradient buffers, ``gradient_buffer_bytes``, are the difference; they are
+bounded by the bucket, or the largest piece a layer writes whole, since the
+gradient is handed over by piece: ``mpishard.nn.handover``). ``--deep-layers`` adds a deep GPT for
 the ZeRO-3 variants only. Options are the strategies' defaults
 (``bucket_mb="auto"`` for ZeRO-3) unless ``--bucket-mb`` is given.
 
@@ -193,8 +195,11 @@ def _two_buckets(dist, worst: dict, shard: int, itemsize: int, resident: int) ->
     sizes = [len(b) for b in gather.ranges]
     pair = max((a + b for a, b in zip(sizes, sizes[1:])), default=sizes[0]) * itemsize
     shards = worst["parameters"] + worst["optimizer_state"] + shard   # + the gradient's
+    grads = dist.core.buckets
     return {"gather_bucket_elements": dist.core.placement.gather_elements,
             "bucket_elements": dist.core.bucket_elements, "two_gather_buckets_bytes": pair,
+            "gradient_buckets": len(grads.ranges),
+            "gradient_buffer_bytes": sum(int(b.nbytes) for b in grads.buffers),
             "resident_over_shard_plus_two_buckets": resident / (shard + pair),
             "state_over_shards_plus_two_buckets": worst["peak"] / (shards + pair)}
 

@@ -12,6 +12,7 @@ from .activations import GELU, pair_bias_activations
 from .attention import CausalSelfAttention
 from .base import BatchContext, Layer
 from .embedding import Embedding, LMHead, sequence_shape
+from .handover import HandOver, handover_groups
 from .layers import LayerNorm
 from .losses import SoftmaxCrossEntropy
 from .model_methods import Described
@@ -145,17 +146,39 @@ class TransformerBlock(Layer):
         a = self._backward_sub(self.attn, "attn", branch.reshape(b, t, d), buf["attn"],
                                grads, scratch)
         a = a.reshape(b * t, d)
-        self.ln1.backward_params(a, buf["ln1"], _sub(grads, "ln1", self.ln1),
-                                 None if scratch is None else _sub(scratch, "ln1", self.ln1))
+        self._params_sub(self.ln1, "ln1", a, buf["ln1"], grads, scratch)
         if buf["need_dx"]:
             g += self.ln1.backward_input(a, buf["ln1"])
         buf["dx"] = dy                    # g is a view of dy: the gradient is in place
 
+    def handover_groups(self) -> list[tuple[tuple[str, ...], bool]]:
+        """Handed over sub-layer by sub-layer, as the backward goes (``fc2``,
+        ``fc1``, ``ln2``, ``attn``, ``ln1``), each as it hands over
+        ([`mpishard.nn.handover`][mpishard.nn.handover])."""
+        groups = []
+        for prefix, sub in reversed(self._subs):
+            names = [name for name, _ in sub.param_shapes()]
+            if names:
+                groups += [(tuple(f"{prefix}.{n}" for n in group), rows)
+                           for group, rows in handover_groups(sub, names)]
+        return groups
+
     def _backward_sub(self, layer: Layer, prefix: str, dy: Any, buf: dict[str, Any],
-                      grads: dict[str, Any], scratch: dict[str, Any] | None) -> Any:
+                      grads: Any, scratch: dict[str, Any] | None) -> Any:
+        self._params_sub(layer, prefix, dy, buf, grads, scratch)
+        return layer.backward_input(dy, buf)
+
+    @staticmethod
+    def _params_sub(layer: Layer, prefix: str, dy: Any, buf: dict[str, Any], grads: Any,
+                    scratch: dict[str, Any] | None) -> None:
+        """Sub-layer ``prefix``'s parameter gradients: into its views, or through
+        its part of the hand-over."""
+        if isinstance(grads, HandOver):
+            if layer.param_shapes():
+                grads.sub(prefix).backward(layer, dy, buf)
+            return
         layer.backward_params(dy, buf, _sub(grads, prefix, layer),
                               None if scratch is None else _sub(scratch, prefix, layer))
-        return layer.backward_input(dy, buf)
 
     def backward_input(self, dy: Any, buf: dict[str, Any]) -> Any:
         return buf.pop("dx")

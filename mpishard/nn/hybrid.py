@@ -25,6 +25,7 @@ from ..pipeline.partition import balance_stages, check_boundaries
 from ..pipeline.schedules import SCHEDULES
 from ..protocols import BACKWARD, FORWARD
 from .shards import tensor_shards
+from .stack import uninitialised_shards
 
 __all__ = ["HybridShardedModel"]
 
@@ -155,9 +156,10 @@ class HybridShardedModel:
         dp = config.groups.dp
         shard = ParameterShard(dp.rank, dp.size) if params is None else None
         # The same stage boundaries (the balance would give them again; this is sure).
-        HybridShardedModel.__init__(self, self._factory, config, micro_batches=self.micro_batches,
-                                    schedule=self.schedule, stages=list(self.stage_ranges),
-                                    shard=shard)
+        with uninitialised_shards():   # in shards: the recovery moves the values in
+            HybridShardedModel.__init__(self, self._factory, config,
+                                        micro_batches=self.micro_batches, schedule=self.schedule,
+                                        stages=list(self.stage_ranges), shard=shard)
         if params is not None:
             self.params[...] = params
 

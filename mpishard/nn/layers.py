@@ -10,6 +10,7 @@ import numpy as np
 
 from ..kernels.nn import layer_norm_backward, layer_norm_forward
 from .base import BatchContext, Layer, finish_gradient, store_gradient
+from .handover import HandOver
 
 __all__ = [
     "LayerNorm",
@@ -83,9 +84,17 @@ class Linear(Layer):
         buf["x"] = x  # a reference, not a copy: the weight gradient needs it
         return y
 
-    def backward_params(self, dy: Any, buf: dict[str, Any], grads: dict[str, Any],
+    def handover_groups(self) -> list[tuple[tuple[str, ...], bool]]:
+        """Handed over piece by piece ([`mpishard.nn.handover`][mpishard.nn.handover]):
+        the bias, then the weight in blocks of rows, last first."""
+        return ([(("bias",), False)] if self.bias else []) + [(("weight",), True)]
+
+    def backward_params(self, dy: Any, buf: dict[str, Any], grads: Any,
                         scratch: dict[str, Any] | None) -> None:
         xp = self.xp
+        if isinstance(grads, HandOver):
+            self._backward_pieces(dy, buf, grads)
+            return
         out = store_gradient(grads["weight"], scratch, "weight")
         xp.matmul(buf["x"].T, dy, out=out)
         finish_gradient(xp, grads["weight"], out)
@@ -93,6 +102,21 @@ class Linear(Layer):
             out = store_gradient(grads["bias"], scratch, "bias")
             xp.sum(dy, axis=0, out=out)
             finish_gradient(xp, grads["bias"], out)
+
+    def _backward_pieces(self, dy: Any, buf: dict[str, Any], hand: HandOver) -> None:
+        """The bias, then ``x[:, rows].T @ dy`` for each row block of the weight,
+        each piece between the hooks."""
+        xp, x = self.xp, buf["x"]
+        for name in ("bias", "weight") if self.bias else ("weight",):
+            for piece in hand.pieces(name):
+                views, scratch = hand.begin(piece)
+                out = store_gradient(views[name], scratch, name)
+                if piece.rows is None:
+                    xp.sum(dy, axis=0, out=out)
+                else:
+                    xp.matmul(x[:, piece.rows].T, dy, out=out)
+                finish_gradient(xp, views[name], out)
+                hand.end(piece)
 
     def backward_input(self, dy: Any, buf: dict[str, Any]) -> Any:
         dx = buf["dx"]

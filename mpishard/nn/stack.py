@@ -13,7 +13,8 @@ stage that holds layer 3.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,10 +25,26 @@ from ..flat import ParameterShard, ParamLayout, Range
 from ..protocols import BACKWARD, FORWARD, INFERENCE, BackwardHooks, ParameterHooks
 from .activations import pair_bias_activations
 from .base import BatchContext, Layer
+from .handover import HandOver, HandOverState, plan_layer
 from .losses import Loss
 from .shards import TensorShard
 
-__all__ = ["LayerStack"]
+__all__ = ["LayerStack", "uninitialised_shards"]
+
+# Within uninitialised_shards(): models built in shards skip the initialisation.
+_SKIP_INIT = [False]
+
+
+@contextmanager
+def uninitialised_shards() -> Iterator[None]:
+    """Within it, a model built in shards (``shard=``) allocates its shard but
+    does not initialise it (it holds zeros): for a rebuild whose values are moved
+    in next (a recovery's), where drawing them would be compute thrown away. Local."""
+    before, _SKIP_INIT[0] = _SKIP_INIT[0], True
+    try:
+        yield
+    finally:
+        _SKIP_INIT[0] = before
 
 
 # -- a range of top-level layers: the model and pipeline-stage class -------------------
@@ -48,6 +65,26 @@ class _Workspace:
     out: Any = None
     grad_out: Any = None                # d(loss)/d(output) left by loss()
     state: str = _DONE
+
+
+def _shared(stack: Any) -> HandOverState:
+    """A fresh state shared by a model's hand-overs (hooks, accumulation)."""
+    return HandOverState(xp=stack.xp, dtype=stack.dtype)
+
+
+def _collect_arrays(obj: Any, held: dict[int, Any]) -> None:
+    """Every array in ``obj`` (nested dicts, lists and tuples) into ``held``, by
+    the id of the array that owns its memory (a view's base)."""
+    if isinstance(obj, dict):
+        for value in obj.values():
+            _collect_arrays(value, held)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _collect_arrays(value, held)
+    elif hasattr(obj, "nbytes") and hasattr(obj, "shape"):
+        while getattr(obj, "base", None) is not None and hasattr(obj.base, "nbytes"):
+            obj = obj.base
+        held[id(obj)] = obj
 
 
 def _kind(buf: Any) -> Any:
@@ -220,6 +257,9 @@ class LayerStack:
         self._calls = 0
         self._workspaces: dict[tuple[bool, int], _Workspace] = {}
         self._scratch: list[dict[str, Any]] | None = None
+        #: Per layer, its gradients' hand-over by piece (bind_gradient_pieces), or None.
+        self._handovers: list[HandOver | None] | None = None
+        self._handover_state: HandOverState | None = None
 
     def _build_whole(self, xp: Any) -> None:
         """Both whole vectors, each layer built on its views and initialised."""
@@ -250,6 +290,8 @@ class LayerStack:
             layer.build(i, self.xp, self.dtype, {
                 local: self.layout.view(scratch, name, base) for local, name in self._names[j]})
             mine = r.intersect(shard) if r is not None else Range(0, 0)
+            if _SKIP_INIT[0] and r is not None:
+                continue        # uninitialised_shards(): the values are moved in next
             if r is None or len(mine):
                 layer.init_params(np.random.default_rng([self.seed, i]))
             if len(mine):
@@ -379,15 +421,15 @@ class LayerStack:
 
     def activation_bytes(self) -> int:
         """Bytes held by the training workspaces of every micro-batch slot
-        (activations, their gradients and the loss's buffers)."""
-        total = 0
+        (activations, their gradients, the layers' scratch and the loss's
+        buffers): every array they hold, nested ones included (a block's
+        sub-layers), each allocation counted once (a view, such as a layer's
+        reference to its input, counts the array it is a view of). Local."""
+        held: dict[int, Any] = {}
         for (train, _), ws in self._workspaces.items():
-            if not train:
-                continue
-            arrays = [ws.x, ws.dy] + [a for d in ws.layers for a in d.values()]
-            arrays += list(ws.loss.values()) if ws.loss else []
-            total += sum(int(getattr(a, "nbytes", 0)) for a in arrays if a is not None)
-        return total
+            if train:
+                _collect_arrays([ws.x, ws.dy, ws.layers, ws.loss], held)
+        return sum(int(a.nbytes) for a in held.values())
 
     # -- the BucketedModel protocol -------------------------------------------------------
 
@@ -401,6 +443,49 @@ class LayerStack:
             TypeError: a view has the wrong dtype or backend.
         """
         self._grad_views = self._views_of(self._checked(view, "gradient"))
+        self._handovers = None
+        self.grads = None
+
+    def gradient_pieces(self, max_elements: int) -> list[Range]:
+        """The world ranges the backward writes in one go once
+        [`bind_gradient_pieces`][mpishard.nn.LayerStack.bind_gradient_pieces]
+        bound it with ``max_elements``, in layout order: groups of whole
+        tensors, and row blocks of at most ``max_elements`` of the 2-D weights
+        ([`mpishard.nn.handover`][mpishard.nn.handover]). Gradient buckets cut
+        at these bound the buffers by the bucket size, not the largest layer."""
+        out: list[Range] = []
+        for layer, names, r in zip(self.layers, self._names, self._ranges):
+            if r is not None:
+                pieces, _ = plan_layer(layer, names, self.layout, max_elements, None,
+                                       _shared(self))
+                out += reversed(pieces)
+        return out
+
+    def bind_gradient_pieces(self, view: Callable[[Range], Any], max_elements: int) -> None:
+        """Write the gradients piece by piece (``gradient_pieces(max_elements)``)
+        into ``view(piece)`` (a 1-D array of the piece's length), each piece
+        between the backward hooks' ``before(piece)`` and ``after(piece)``,
+        pieces in descending offsets. ``view`` is called once per piece, here;
+        ``grads`` becomes None (``bind_gradients`` undoes it).
+
+        Raises:
+            ValueError: a view of the wrong length.
+        """
+        shared = _shared(self)
+
+        def checked(r: Range) -> Any:
+            v = view(r)
+            if tuple(v.shape) != (len(r),) or v.dtype != self.dtype:
+                raise ValueError(f"gradient view of {r}: expecting ({len(r)},) {self.dtype}, "
+                                 f"got {tuple(v.shape)} {v.dtype}")
+            return v
+
+        self._handovers = [
+            None if r is None else
+            plan_layer(layer, names, self.layout, max_elements, checked, shared)[1]
+            for layer, names, r in zip(self.layers, self._names, self._ranges)]
+        self._handover_state = shared
+        self._grad_views = None
         self.grads = None
 
     # -- the ShardableModel protocol -------------------------------------------------------
@@ -588,14 +673,19 @@ class LayerStack:
     def _backward(self, dy: Any, ws: _Workspace, accumulate: bool) -> Any:
         """Layers last to first: parameter gradients between the hooks, then dx
         (the parameter hooks around both: each may read the parameters)."""
-        hooks, reads = self._hooks, self._param_hooks
-        scratch = self._accumulation_scratch() if accumulate else None
+        hooks, reads, hands = self._hooks, self._param_hooks, self._handovers
+        if hands is not None:
+            self._handover_state.hooks = hooks
+            self._handover_state.accumulate = accumulate
+        scratch = self._accumulation_scratch() if accumulate and hands is None else None
         stop = self._first_param if self.is_first_stage else 0
         for j in range(len(self.layers) - 1, stop - 1, -1):
             layer, buf, r = self.layers[j], ws.layers[j], self._ranges[j]
             if reads is not None and r is not None:
                 reads.before(r, BACKWARD)
-            if r is not None:
+            if r is not None and hands is not None:
+                hands[j].backward(layer, dy, buf)
+            elif r is not None:
                 if hooks is not None:
                     hooks.before(r)
                 layer.backward_params(dy, buf, self._grad_views[j],

@@ -363,7 +363,9 @@ class GatheredBeforeUse(GatheredAfterStep):
     def replay(self, phases: list[str], buckets: GradientBuckets | None) -> None:
         """The hook calls the model's passes ``phases`` make, without a model: the
         parameter hooks around each unit and (``buckets``: a bucketed backward)
-        the gradient hooks inside them, each unit's gradient zero. Collective
+        the gradient hooks inside them, each unit's gradient zero (a piece per
+        bucket it overlaps: the buckets may be cut inside a layer, at the
+        pieces the model hands its gradients over in). Collective
         over the gathers' group (and, with ``buckets``, ``groups.dp``)."""
         gather = self.gather
         for phase in phases:
@@ -371,11 +373,7 @@ class GatheredBeforeUse(GatheredAfterStep):
             for u in (reversed(self.units) if backward else self.units):
                 gather.before(u, phase)
                 if backward and buckets is not None:
-                    buckets.before(u)
-                    j = buckets.index_of(u.start)
-                    b = buckets.ranges[j]
-                    buckets.source(j)[u.start - b.start:u.stop - b.start].fill(0)
-                    buckets.after(u)
+                    _replay_gradient(buckets, u)
                 gather.after(u, phase)
 
     def digest(self) -> tuple[str, str, str]:
@@ -393,3 +391,15 @@ class GatheredBeforeUse(GatheredAfterStep):
 
     def report(self) -> dict[str, int]:
         return {"gathered_peak": self.gather.peak * self.dtype.itemsize}
+
+
+def _replay_gradient(buckets: GradientBuckets, unit: Range) -> None:
+    """A zero gradient of ``unit`` handed over as a backward does: its part of
+    each bucket it overlaps, highest first, between the hooks (each bucket is
+    launched in the unit that holds its lowest offset, as in the backward)."""
+    for j in range(buckets.index_of(unit.stop - 1), buckets.index_of(unit.start) + 1):
+        b = buckets.ranges[j]
+        piece = b.intersect(unit)
+        buckets.before(piece)
+        buckets.source(j)[piece.start - b.start:piece.stop - b.start].fill(0)
+        buckets.after(piece)

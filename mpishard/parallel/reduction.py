@@ -104,6 +104,7 @@ class GradientReduction:
         self.timings: dict[str, Any] = {}
         self.buckets: GradientBuckets | None = None
         self.bucketed = False
+        self.pieces = False
 
     def probe_kind(self) -> str:
         """How ``overlap="auto"``'s stand-in buckets are reduced."""
@@ -134,7 +135,12 @@ class GradientReduction:
         #: chooses from the model and the ranks).
         self.bucket_elements = options.bucket_elements(model.layout.size, dtype.itemsize,
                                                        self.dp.size)
-        ranges = bucket_ranges(model.layout, self.bucket_elements)
+        #: The buckets are cut at the model's gradient pieces (a model that hands
+        #: its gradients over piece by piece to slot buffers: ``gradient_pieces``).
+        self.pieces = bool(self.slots) and hasattr(model, "bind_gradient_pieces")
+        ranges = (_piece_buckets(model.gradient_pieces(self.bucket_elements),
+                                 self.bucket_elements)
+                  if self.pieces else bucket_ranges(model.layout, self.bucket_elements))
         overlap = options.overlap
         if isinstance(overlap, str) and can_overlap:   # "auto" or "measure"
             self.bucketed = decide_overlap(self.dp, step_group, ranges, dtype, xp,
@@ -444,7 +450,10 @@ class ReducedToShards(GradientReduction):
         self._micro = 0
         if bucketed:
             buckets.allocate(xp, dtype)
-            model.bind_gradients(buckets.gradient_views(model.layout))
+            if self.pieces:
+                model.bind_gradient_pieces(_piece_views(buckets), self.bucket_elements)
+            else:
+                model.bind_gradients(buckets.gradient_views(model.layout))
             _hook(model, buckets)
         else:
             _hook(model, None)
@@ -591,6 +600,35 @@ class ReducedToShards(GradientReduction):
 
     def repro_nbytes(self) -> int:
         return self._words.nbytes() if self._words is not None else 0
+
+
+def _piece_buckets(pieces: list[Range], bucket_elements: int) -> list[Range]:
+    """Buckets of whole ``pieces`` (layout order, tiling the vector), in backward
+    order, as [`bucket_ranges`][mpishard.flat.bucket_ranges] cuts whole layers:
+    pieces join the current bucket until it would exceed ``bucket_elements``.
+    Pure."""
+    buckets: list[Range] = []
+    stop = start = pieces[-1].stop if pieces else 0
+    for piece in reversed(pieces):
+        if start < stop and (stop - piece.start) > bucket_elements:
+            buckets.append(Range(start, stop))
+            stop = start
+        start = piece.start
+    if start < stop:
+        buckets.append(Range(start, stop))
+    return buckets
+
+
+def _piece_views(buckets: GradientBuckets) -> Callable[[Range], Any]:
+    """``view(piece)``: where a gradient piece lives in the slot buffer of the
+    bucket holding it (for ``bind_gradient_pieces``)."""
+    def view(piece: Range) -> Any:
+        index = buckets.index_of(piece.start)
+        b = buckets.ranges[index]
+        if piece.stop > b.stop:
+            raise ValueError(f"gradient piece {piece} crosses the end of bucket {b}")
+        return buckets.source(index)[piece.start - b.start:piece.stop - b.start]
+    return view
 
 
 def _store(target: Any, piece: Any, overwrite: bool) -> None:

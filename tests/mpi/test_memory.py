@@ -23,6 +23,7 @@ from mpishard.nn import MLP
 from mpishard.optim import Adam
 from mpishard.parallel.memory import PHASES, process_peak_rss
 from mpishard.parallel.options import AUTO_BUCKET_LIMITS_MB, AUTO_BUCKET_SHARE
+from mpishard.parallel.reduction import _piece_buckets
 from mpishard.strategies import DDPOptimizer, ZeRO3Optimizer
 
 pytestmark = pytest.mark.mpi
@@ -68,9 +69,17 @@ def test_default_zero3_buffers_are_a_fraction_of_ddps():
     shard = len(shard_ranges(n, ranks)[WORLD.rank])
     grad_buffers, gather_buffers = _slot_sizes(backward), _slot_sizes(forward)
 
-    zero3 = ZeRO3Optimizer(Adam(lr=1e-3), ShardingConfiguration(WORLD), model=_model())
+    model = _model()
+    zero3 = ZeRO3Optimizer(Adam(lr=1e-3), ShardingConfiguration(WORLD), model=model)
     _train(zero3)
     mine = zero3.memory_report()
+    # The gradient buckets are cut at the pieces the model hands its gradients
+    # over in (inside layers): no larger than whole-unit buckets, none over the
+    # bucket unless one piece is.
+    pieces = model.gradient_pieces(bucket)
+    assert zero3.core.buckets.ranges == _piece_buckets(pieces, bucket)
+    assert _slot_sizes(zero3.core.buckets.ranges) <= grad_buffers
+    grad_buffers = _slot_sizes(zero3.core.buckets.ranges)
     assert zero3.core.bucket_elements == bucket == zero3.core.placement.gather_elements
     assert zero3.options.bucket_mb == zero3.options.gather_mb == "auto"
     assert mine["gradients"] == (shard + grad_buffers) * ITEM

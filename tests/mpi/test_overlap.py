@@ -77,7 +77,9 @@ def test_auto_choice_agreed_and_results_unchanged(strategy, forced, monkeypatch)
         assert timings["choice"] is False and "one rank" in timings["reason"]
         return
     assert timings["source"] == "measured"
-    assert timings["buckets"] == min(4, len(dist.buckets.ranges)) == 3
+    # ZeRO-2 cuts its buckets inside the layers (the gradient hand-over by piece).
+    assert timings["buckets"] == min(4, len(dist.buckets.ranges))
+    assert len(dist.buckets.ranges) == 3 if strategy == "ddp" else len(dist.buckets.ranges) > 3
     assert timings["during"] > 0 and timings["after"] > 0 and timings["compute"] > 0
     if forced is None:
         during_wins = timings["during"] < 0.95 * timings["after"]
