@@ -282,6 +282,7 @@ def _start(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
                    meanwhile)
     chunks = list(pieces)
     pending = _Pending(final, laid, comm, rank, durable, threading.Thread(), threading.Event())
+    pending.error = laid.error   # a rank that cannot open the file: agreed at the commit
     pending.thread = threading.Thread(target=_work, args=(pending, file_runs(chunks, laid), chunks),
                                       name="mpishard-checkpoint-write", daemon=True)
     return pending
@@ -316,10 +317,7 @@ def _work(pending: _Pending, runs: Sequence[tuple[int, memoryview]],
         pending.error = CheckpointError(f"{laid.tmp}: the background write failed on rank "
                                         f"{pending.rank}: {exc}")
     finally:
-        try:
-            os.close(laid.fd)
-        except OSError:
-            pass
+        laid.close_fd()
         pending.done.set()
 
 
@@ -390,6 +388,7 @@ def discard_checkpoint() -> str | None:
         return None
     pending = _PENDING.pop()
     pending.thread.join()
+    pending.laid.close()
     if pending.rank == 0:
         _remove_quietly(pending.laid.tmp)
     return pending.final
