@@ -574,8 +574,8 @@ class LaidOut:
     4 KiB aligned and allocated (not filled), a zero ``checksum`` attribute on
     each; ``offsets[i]`` is where ``ordered[i]``'s bytes go, ``fd`` this rank's
     descriptor of it (write only; -1 where it could not be opened: ``error``,
-    raised on every rank at the seal); ``h5`` rank 0's open h5py file, whose
-    metadata is written once, at the seal."""
+    raised on every rank at the seal); ``h5`` rank 0's open h5py file and its
+    datasets in order, whose metadata is written once, at the seal."""
 
     final: str
     tmp: str
@@ -599,7 +599,8 @@ class LaidOut:
     def close(self) -> None:
         """Close this rank's descriptor and (rank 0) the h5py file. Local."""
         self.close_fd()
-        _close_quietly(self.h5)
+        if self.h5 is not None:
+            _close_quietly(self.h5[0])
         self.h5 = None
 
     @property
@@ -644,7 +645,7 @@ def lay_out(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
         raise CheckpointError(problem)
     error = None
     if rank == 0:   # rank 0's attributes, as under mpio, while the others write
-        error = _finish_file(h5, tmp, _with_order(attrs, ordered, order_groups))
+        error = _finish_file(h5[0], tmp, _with_order(attrs, ordered, order_groups))
     fd = -1
     try:
         fd = os.open(tmp, os.O_WRONLY)
@@ -656,10 +657,11 @@ def lay_out(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
 
 
 def _create_file(final: str, ordered: Sequence[TensorRecord],
-                 ub: int) -> tuple[tuple[str | None, list[int], str | None], Any]:
+                 ub: int) -> tuple[tuple[str | None, list[int], str | None], tuple | None]:
     """Rank 0: the temporary file with every dataset allocated (its groups'
     attributes come later, `_finish_file`): its name, the datasets' offsets and
-    the problem (a message) or None; and the open h5py file (None on a problem)."""
+    the problem (a message) or None; and the open h5py file with its datasets
+    in order (None on a problem)."""
     folder = os.path.dirname(final)
     if not os.path.isdir(folder):
         return (None, [], f"{final}: folder {folder} does not exist"), None
@@ -674,7 +676,7 @@ def _create_file(final: str, ordered: Sequence[TensorRecord],
                       alignment_threshold=_ALIGN_THRESHOLD, alignment_interval=_ALIGN)
         dsets = _create_early(f, ordered)
         offsets = [int(dsets[t.path].id.get_offset() or 0) if t.size else 0 for t in ordered]
-        return (tmp, offsets, None), f
+        return (tmp, offsets, None), (f, [dsets[t.path] for t in ordered])
     except Exception as exc:
         _close_quietly(f)
         _remove_quietly(tmp)
@@ -855,11 +857,14 @@ def _seal(laid: LaidOut, table: np.ndarray, durable: bool) -> None:
     close), the seal, fsync, rename, fsync of the folder."""
     import h5py
 
-    f = laid.h5 if laid.h5 is not None else h5py.File(laid.tmp, "r+", locking=False)
-    laid.h5 = None
+    if laid.h5 is None:
+        f = h5py.File(laid.tmp, "r+", locking=False)
+        dsets = [f[t.path] for t in laid.ordered]
+    else:
+        (f, dsets), laid.h5 = laid.h5, None
     try:
-        for t, row in zip(laid.ordered, table):
-            f[t.path].attrs.modify("checksum", row)
+        for d, row in zip(dsets, table):   # same type and size: in place
+            h5py.h5a.open(d.id, b"checksum").write(np.ascontiguousarray(row))
     finally:
         f.close()
     seal_file(laid.tmp, laid.userblock, laid.extents, durable=durable)
