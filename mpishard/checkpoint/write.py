@@ -16,12 +16,16 @@ Order of a save (collective over ``comm``), by driver:
 `seal_laid_out`, shared with the asynchronous save of
 `mpishard.checkpoint.background`):
 
-1. agree on the datasets (``allgather`` of the declarations) and check that
-   the pieces cover each dataset exactly once (``Allreduce`` of counts);
+1. agree on the datasets and check that the pieces cover each dataset
+   exactly once: one ``allgather`` of every rank's declarations, the elements
+   its pieces give each dataset and its own problem, from which every rank
+   finds the same answer (`plan_datasets`);
 2. rank 0 alone creates ``<path>.tmp-<random>`` with serial h5py: every
    dataset contiguous, 4 KiB aligned, allocated but not filled (the file is
    sparse until written), a zero ``checksum`` attribute on each; it broadcasts
-   the name and every dataset's file offset, and every rank opens the file;
+   the name and every dataset's file offset, then writes the groups'
+   attributes while the others go on (keeping the file open until the seal),
+   and every rank opens the file (a failure there is agreed on at the seal);
 3. each rank writes its pieces' bytes at those offsets with ``os.pwrite``
    (16 MiB calls, each after a run's first starting on a 4 KiB page of the
    file; a flat vector's share is one run per tensor, merged across tensors
@@ -29,9 +33,13 @@ Order of a save (collective over ``comm``), by driver:
    shares end on pages, so no two ranks write one page of a large dataset),
    while a helper thread checksums them, then ``fsync``s (but rank 0, whose
    seal's ``fsync`` covers the file); no MPI-IO, no HDF5 in the data path;
-4. one ``Allreduce`` adds the partial checksums; rank 0 puts them in place
-   (same size: the file's layout does not move), seals the user block,
-   fsyncs, renames to ``path`` and fsyncs the folder.
+4. one ``Allreduce`` adds the partial checksums and counts the ranks that
+   failed (the failure is exchanged only when one did); rank 0 puts the
+   checksums in place (same size: the file's layout does not move) and
+   closes the file (its one metadata write), seals the user block, fsyncs,
+   renames to ``path`` and fsyncs the folder; one agreement on that outcome.
+   Six collectives with the agreement on the model and the duplicate of the
+   communicator.
 
 Why: the writes are the same system calls as file-per-process POSIX writes of
 the same bytes, into one file; HDF5 only ever handles the metadata, on one
