@@ -91,7 +91,8 @@ def stats(xs: list[float]) -> dict[str, float]:
     return {"min": round(min(xs), 4), "median": round(statistics.median(xs), 4)}
 
 
-def bench(size: int, folder: str, repeats: int, drivers: list[str]) -> None:
+def bench(size: int, folder: str, repeats: int, drivers: list[str],
+          only: list[str] | None = None) -> None:
     n_ranks, rank = WORLD.size, WORLD.rank
     layout, _, model, zero2 = sharded_state(size)
     lo, hi = zero2.shard.start, zero2.shard.stop
@@ -106,6 +107,8 @@ def bench(size: int, folder: str, repeats: int, drivers: list[str]) -> None:
 
     for durable in (False, True):
         kinds = writers(folder, model, zero2, mine, whole, drivers, durable)
+        if only:   # file-per-process is always measured: the reference
+            kinds = {k: v for k, v in kinds.items() if k in only or k == "file_per_process"}
         times: dict[str, list[float]] = {name: [] for name in kinds}
         names = list(kinds)
         for k in range(repeats):
@@ -141,6 +144,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--drivers", default="auto",
                         help="save_checkpoint drivers, comma separated: auto, direct, mpio, serial")
+    parser.add_argument("--kinds", default="",
+                        help="only these kinds, comma separated (checkpoint_auto, async_wait, "
+                             "numpy_save; file_per_process always): all by default")
     args = parser.parse_args()
     import h5py
 
@@ -150,7 +156,8 @@ def main() -> None:
           "hdf5": h5py.version.hdf5_version, "h5py_mpi": bool(h5py.get_config().mpi),
           "folder": folder})
     for text in args.sizes.split(","):
-        bench(parse_size(text.strip()), folder, args.repeats, args.drivers.split(","))
+        bench(parse_size(text.strip()), folder, args.repeats, args.drivers.split(","),
+              [k for k in args.kinds.split(",") if k])
     if WORLD.rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -14,12 +14,15 @@ Order of an asynchronous save (collective over the whole job):
    snapshot is copied (CuPy arrays at once; NumPy arrays by a helper thread,
    ``np.copyto`` only, while the calling thread goes on below, joined before
    the call returns); the datasets are agreed on and their coverage checked
-   as in the synchronous write; rank 0 creates ``<path>.tmp-<hex>`` with
-   serial h5py: every dataset contiguous, allocated early, not filled, with
-   its attributes and a zero ``checksum`` attribute, and reads each dataset's
-   file offset (``dset.id.get_offset()``); the offsets and the name are
-   broadcast, every rank opens the file (an error, on every rank, where it
-   cannot: the ranks need one shared file system, as under ``mpio``);
+   as in the synchronous write (one ``allgather``); rank 0 creates
+   ``<path>.tmp-<hex>`` with serial h5py: every dataset contiguous, allocated
+   early, not filled, with a zero ``checksum`` attribute, and reads each
+   dataset's file offset (``dset.id.get_offset()``); the offsets and the name
+   are broadcast, rank 0 writes the groups' attributes (the file stays open
+   until the commit), every rank opens the file (a rank that cannot fails the
+   save at the commit, on every rank: the ranks need one shared file system,
+   as under ``mpio``). Four collectives in all, with the agreement on the
+   model and the save's duplicate of the world;
 2. a thread per rank writes the snapshot's bytes at those offsets with
    ``os.pwrite``, checksums them and ``fsync``s the file: POSIX only, no MPI,
    no HDF5, so it cannot disturb the training's communication, at any thread
@@ -29,11 +32,13 @@ Order of an asynchronous save (collective over the whole job):
    boundary of the training loop once every rank's thread is done
    (`poll_checkpoint`), at `wait_for_checkpoint` (``CheckpointManager.wait()``)
    and at the end of ``optimize()``: on a
-   duplicate of the world made for this save, every rank's thread is joined, its
-   failure agreed on (a failed save is raised on every rank, the temporary file
-   removed), the partial checksums added (``Allreduce``); rank 0 writes them
-   into the ``checksum`` attributes (same size: in place), seals the user
-   block, ``fsync``s, renames the file to its name and ``fsync``s the folder.
+   duplicate of the world made for this save, every rank's thread is joined,
+   the partial checksums and the count of failed ranks added (one
+   ``Allreduce``; where it is not zero the failure is exchanged and raised on
+   every rank, the temporary file removed); rank 0 writes the checksums
+   into the ``checksum`` attributes (same size: in place), closes the file
+   (its one metadata write), seals the user block, ``fsync``s, renames the
+   file to its name and ``fsync``s the folder, and says whether it worked.
 
 Why not ``mpio`` for step 1: HDF5's collectives cannot be timed
 (`mpishard.comm.watchdog`), and the data is not written by HDF5 at all, so
@@ -282,6 +287,7 @@ def _start(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
                    meanwhile)
     chunks = list(pieces)
     pending = _Pending(final, laid, comm, rank, durable, threading.Thread(), threading.Event())
+    pending.error = laid.error   # a rank that cannot open the file: agreed at the commit
     pending.thread = threading.Thread(target=_work, args=(pending, file_runs(chunks, laid), chunks),
                                       name="mpishard-checkpoint-write", daemon=True)
     return pending
@@ -316,10 +322,7 @@ def _work(pending: _Pending, runs: Sequence[tuple[int, memoryview]],
         pending.error = CheckpointError(f"{laid.tmp}: the background write failed on rank "
                                         f"{pending.rank}: {exc}")
     finally:
-        try:
-            os.close(laid.fd)
-        except OSError:
-            pass
+        laid.close_fd()
         pending.done.set()
 
 
@@ -390,6 +393,7 @@ def discard_checkpoint() -> str | None:
         return None
     pending = _PENDING.pop()
     pending.thread.join()
+    pending.laid.close()
     if pending.rank == 0:
         _remove_quietly(pending.laid.tmp)
     return pending.final

@@ -370,10 +370,10 @@ def save_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any = None, 
     """
     strategy = as_strategy(optimizer)
     place = Placement.of(model, strategy, comm)
-    # An asynchronous save's call is on the step's path: its memory is counted
-    # without tracemalloc, which made rank 0's HDF5 layout three times as slow.
+    # A save's memory is counted without tracemalloc (the "save" phase never
+    # traces), which made rank 0's HDF5 layout three times as slow.
     with place.world.during(f"save_checkpoint({os.fspath(path)})"), place.file_io(), \
-            _memory_phase(strategy, "save", traced=not asynchronous):
+            _memory_phase(strategy, "save"):
         settle()   # a save in flight is committed (or its failure raised) first
         if asynchronous:
             snap = snapshot()
@@ -690,9 +690,6 @@ def _settings(info: CheckpointInfo, strategy: Any, world: FlatComm | None) -> No
         info.notes.append(f"schedule: taken from the file, {schedule_text(info.schedule)}")
 
 
-def _memory_phase(strategy: StrategyCore | None, name: str,
-                  traced: bool = True) -> AbstractContextManager:
+def _memory_phase(strategy: StrategyCore | None, name: str) -> AbstractContextManager:
     """The strategy's memory phase ``name`` (``memory_report``), or nothing."""
-    if strategy is None:
-        return nullcontext()
-    return strategy.memory_phase(name) if traced else strategy.memory_phase(name, traced=False)
+    return nullcontext() if strategy is None else strategy.memory_phase(name)

@@ -16,12 +16,16 @@ Order of a save (collective over ``comm``), by driver:
 `seal_laid_out`, shared with the asynchronous save of
 `mpishard.checkpoint.background`):
 
-1. agree on the datasets (``allgather`` of the declarations) and check that
-   the pieces cover each dataset exactly once (``Allreduce`` of counts);
+1. agree on the datasets and check that the pieces cover each dataset
+   exactly once: one ``allgather`` of every rank's declarations, the elements
+   its pieces give each dataset and its own problem, from which every rank
+   finds the same answer (`plan_datasets`);
 2. rank 0 alone creates ``<path>.tmp-<random>`` with serial h5py: every
    dataset contiguous, 4 KiB aligned, allocated but not filled (the file is
    sparse until written), a zero ``checksum`` attribute on each; it broadcasts
-   the name and every dataset's file offset, and every rank opens the file;
+   the name and every dataset's file offset, then writes the groups'
+   attributes while the others go on (keeping the file open until the seal),
+   and every rank opens the file (a failure there is agreed on at the seal);
 3. each rank writes its pieces' bytes at those offsets with ``os.pwrite``
    (16 MiB calls, each after a run's first starting on a 4 KiB page of the
    file; a flat vector's share is one run per tensor, merged across tensors
@@ -29,9 +33,13 @@ Order of a save (collective over ``comm``), by driver:
    shares end on pages, so no two ranks write one page of a large dataset),
    while a helper thread checksums them, then ``fsync``s (but rank 0, whose
    seal's ``fsync`` covers the file); no MPI-IO, no HDF5 in the data path;
-4. one ``Allreduce`` adds the partial checksums; rank 0 puts them in place
-   (same size: the file's layout does not move), seals the user block,
-   fsyncs, renames to ``path`` and fsyncs the folder.
+4. one ``Allreduce`` adds the partial checksums and counts the ranks that
+   failed (the failure is exchanged only when one did); rank 0 puts the
+   checksums in place (same size: the file's layout does not move) and
+   closes the file (its one metadata write), seals the user block, fsyncs,
+   renames to ``path`` and fsyncs the folder; one agreement on that outcome.
+   Six collectives with the agreement on the model and the duplicate of the
+   communicator.
 
 Why: the writes are the same system calls as file-per-process POSIX writes of
 the same bytes, into one file; HDF5 only ever handles the metadata, on one
@@ -305,23 +313,46 @@ def plan_datasets(final: str, comm: FlatComm | None, size: int,
     """The file's datasets in order and their index by path, once every rank's
     declarations agree and the pieces cover each dataset exactly once (a
     ``CheckpointError`` on every rank otherwise, ``local_problem`` included).
-    Collective over ``comm``."""
-    mine = _declarations(tensors)
+    Collective over ``comm``: one ``allgather`` of every rank's declarations,
+    the elements its pieces give each dataset and its own problem, from which
+    every rank finds the same answer (no agreement after it)."""
+    mine = (_declarations(tensors), _given(pieces), _own_problem(pieces, local_problem))
     every = comm.allgather(mine) if size > 1 else [mine]
-    ordered, index, problem = _plan(final, tensors, pieces, every)
-    problem = problem or local_problem
-    agree_error(comm, CheckpointError(problem) if problem else None)
-    counts = np.zeros(len(ordered), dtype=np.int64)
-    for p in pieces:
-        counts[index[p.tensor.path]] += block_size(p.block)
-    if size > 1:
-        comm.Allreduce(counts, slot="checkpoint-counts")
+    ordered, problem = _union([decls for decls, _, _ in every])
+    index = {t.path: i for i, t in enumerate(ordered)}
+    if problem is None:
+        problem = next(filter(None, (check_tensor_name(t.name) for t in ordered)), None)
+    for _, given, own in every:   # the lowest rank's problem, as agree_error
+        if problem is not None:
+            break
+        undeclared = next((path for path in given if path not in index), None)
+        problem = f"a piece of {undeclared}, which no rank declared" if undeclared else own
+    if problem is not None:
+        raise CheckpointError(problem if problem.startswith(final) else f"{final}: {problem}")
+    counts = [0] * len(ordered)
+    for _, given, _ in every:
+        for path, n in given.items():
+            counts[index[path]] += n
     bad = [(t.path, int(c), t.size) for t, c in zip(ordered, counts) if c != t.size]
-    if bad:   # the same on every rank after the Allreduce
+    if bad:   # the same on every rank
         what = ", ".join(f"{p} ({c} of {n} elements)" for p, c, n in bad[:3])
         raise CheckpointError(f"{final}: the pieces do not cover each dataset exactly once: "
                               f"{what}{' ...' if len(bad) > 3 else ''}")
     return ordered, index
+
+
+def _given(pieces: Sequence[Piece]) -> dict[str, int]:
+    """The elements ``pieces`` give each dataset, by path (in order of first piece)."""
+    given: dict[str, int] = {}
+    for p in pieces:
+        given[p.tensor.path] = given.get(p.tensor.path, 0) + block_size(p.block)
+    return given
+
+
+def _own_problem(pieces: Sequence[Piece], local_problem: str | None) -> str | None:
+    """The first problem of this rank's pieces that needs no other rank, or
+    ``local_problem``."""
+    return next(filter(None, map(_piece_problem, pieces)), None) or local_problem
 
 
 def _write(final: str, comm: FlatComm | None, rank: int, size: int, mode: str,
@@ -550,7 +581,9 @@ class LaidOut:
     """A temporary file that rank 0 created with every dataset contiguous,
     4 KiB aligned and allocated (not filled), a zero ``checksum`` attribute on
     each; ``offsets[i]`` is where ``ordered[i]``'s bytes go, ``fd`` this rank's
-    descriptor of it (write only)."""
+    descriptor of it (write only; -1 where it could not be opened: ``error``,
+    raised on every rank at the seal); ``h5`` rank 0's open h5py file and its
+    datasets in order, whose metadata is written once, at the seal."""
 
     final: str
     tmp: str
@@ -559,6 +592,24 @@ class LaidOut:
     offsets: list[int]
     userblock: int
     fd: int
+    error: BaseException | None = None
+    h5: Any = None
+
+    def close_fd(self) -> None:
+        """Close this rank's descriptor (no HDF5: a writer thread may). Local."""
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+
+    def close(self) -> None:
+        """Close this rank's descriptor and (rank 0) the h5py file. Local."""
+        self.close_fd()
+        if self.h5 is not None:
+            _close_quietly(self.h5[0])
+        self.h5 = None
 
     @property
     def extents(self) -> list[tuple[int, int]]:
@@ -575,75 +626,90 @@ def lay_out(final: str, comm: FlatComm | None, tensors: Sequence[TensorRecord],
     a temporary name next to ``final`` (serial h5py: kilobytes of metadata, no
     MPI-IO), broadcast its name and offsets, and open it on every rank; the
     other ranks call ``meanwhile()`` (if given) while rank 0 creates the file.
-    Collective over ``comm``.
+    Collective over ``comm``: an ``allgather`` and a broadcast.
+
+    Rank 0 broadcasts the offsets as soon as the datasets are allocated and
+    writes the groups' attributes after it, while the others go on; it keeps
+    the file open for the seal (one metadata write). A rank that cannot open
+    the file, or rank 0 failing on the attributes, is ``LaidOut.error``,
+    raised on every rank by `seal_laid_out` (no agreement here).
 
     Raises:
         CheckpointError: on every rank, as `plan_datasets` does, or when the
-            folder is missing, the file cannot be created, or a rank cannot open
-            it (the ranks need one shared file system; the file is removed).
+            folder is missing or the file cannot be created.
     """
     size = 1 if comm is None else comm.size
     rank = 0 if comm is None else comm.rank
     ordered, index = plan_datasets(final, comm, size, tensors, pieces, local_problem)
     ub = userblock_size_for(len(ordered))
-    created = None
-    if rank == 0:   # rank 0's attributes, as under mpio
-        created = _create_file(final, ordered, _with_order(attrs, ordered, order_groups), ub)
+    created, h5 = None, None
+    if rank == 0:
+        created, h5 = _create_file(final, ordered, ub)
     elif meanwhile is not None:
         meanwhile()
     created = comm.bcast(created, root=0) if size > 1 else created
     tmp, offsets, problem = created
     if problem:   # every rank has rank 0's message: no agreement needed
         raise CheckpointError(problem)
-    fd, error = None, None
+    error = None
+    if rank == 0:   # rank 0's attributes, as under mpio, while the others write
+        error = _finish_file(h5[0], tmp, _with_order(attrs, ordered, order_groups))
+    fd = -1
     try:
         fd = os.open(tmp, os.O_WRONLY)
-    except OSError as exc:
-        error = CheckpointError(f"{final}: rank {rank} cannot open the temporary file {tmp} "
-                                f"that rank 0 created ({exc.strerror}): the ranks need a "
-                                f"file system they share")
-    try:
-        agree_error(comm, error)
-    except BaseException:
-        if fd is not None:
-            os.close(fd)
-        if rank == 0:
-            _remove_quietly(tmp)
-        raise
-    return LaidOut(final, tmp, list(ordered), index, list(offsets), ub, fd)
+    except OSError as exc:   # agreed on with the write's outcome, at the seal
+        error = error or CheckpointError(
+            f"{final}: rank {rank} cannot open the temporary file {tmp} that rank 0 "
+            f"created ({exc.strerror}): the ranks need a file system they share")
+    return LaidOut(final, tmp, list(ordered), index, list(offsets), ub, fd, error, h5)
 
 
-def _create_file(final: str, ordered: Sequence[TensorRecord], attrs: dict[str, dict[str, Any]],
-                 ub: int) -> tuple[str | None, list[int], str | None]:
-    """Rank 0: the temporary file with every dataset allocated; its name, the
-    datasets' offsets, and the problem (a message) or None."""
+def _create_file(final: str, ordered: Sequence[TensorRecord],
+                 ub: int) -> tuple[tuple[str | None, list[int], str | None], tuple | None]:
+    """Rank 0: the temporary file with every dataset allocated (its groups'
+    attributes come later, `_finish_file`): its name, the datasets' offsets and
+    the problem (a message) or None; and the open h5py file with its datasets
+    in order (None on a problem)."""
     folder = os.path.dirname(final)
     if not os.path.isdir(folder):
-        return None, [], f"{final}: folder {folder} does not exist"
+        return (None, [], f"{final}: folder {folder} does not exist"), None
     if not os.access(folder, os.W_OK | os.X_OK):
-        return None, [], f"{final}: folder {folder} is not writable"
+        return (None, [], f"{final}: folder {folder} is not writable"), None
     tmp = f"{final}{TEMP_MARK}{secrets.token_hex(4)}"
+    f = None
     try:
         import h5py
 
-        with h5py.File(tmp, "w", userblock_size=ub, libver=LIBVER, locking=False,
-                       alignment_threshold=_ALIGN_THRESHOLD, alignment_interval=_ALIGN) as f:
-            dsets = _create_early(f, ordered, attrs)
-            offsets = [int(dsets[t.path].id.get_offset() or 0) if t.size else 0
-                       for t in ordered]
-        return tmp, offsets, None
+        f = h5py.File(tmp, "w", userblock_size=ub, libver=LIBVER, locking=False,
+                      alignment_threshold=_ALIGN_THRESHOLD, alignment_interval=_ALIGN)
+        dsets = _create_early(f, ordered)
+        offsets = [int(dsets[t.path].id.get_offset() or 0) if t.size else 0 for t in ordered]
+        return (tmp, offsets, None), (f, [dsets[t.path] for t in ordered])
     except Exception as exc:
+        _close_quietly(f)
         _remove_quietly(tmp)
-        return None, [], f"{final}: cannot create {tmp}: {exc}"
+        return (None, [], f"{final}: cannot create {tmp}: {exc}"), None
 
 
-def _create_early(f: Any, ordered: Sequence[TensorRecord],
-                  attrs: dict[str, dict[str, Any]]) -> dict:
+def _finish_file(f: Any, tmp: str, attrs: dict[str, dict[str, Any]]) -> BaseException | None:
+    """Rank 0, while the others write: the groups' attributes (the file stays
+    open for the checksums at the seal). The problem, or None."""
+    try:
+        for g in sorted(attrs):
+            if g != "/":
+                f.require_group(g)
+            _set_attrs(f if g == "/" else f[g], attrs[g])
+        return None
+    except Exception as exc:
+        return CheckpointError(f"{tmp}: writing the attributes failed: {exc}")
+
+
+def _create_early(f: Any, ordered: Sequence[TensorRecord]) -> dict:
     """`_create` with the space of every dataset allocated at once (so it has
     its offset) and a zero ``checksum`` attribute to fill in at the seal."""
     import h5py
 
-    for g in sorted({t.group for t in ordered} | {g for g in attrs if g != "/"}):
+    for g in sorted({t.group for t in ordered}):
         f.require_group(g)
     dsets = {}
     for t in ordered:
@@ -653,9 +719,15 @@ def _create_early(f: Any, ordered: Sequence[TensorRecord],
         d = f.create_dataset(t.path, shape=t.shape, dtype=np.dtype(t.dtype), dcpl=dcpl)
         d.attrs["checksum"] = np.zeros(2, dtype=np.uint64)
         dsets[t.path] = d
-    for g in sorted(attrs):
-        _set_attrs(f if g == "/" else f[g], attrs[g])
     return dsets
+
+
+def _close_quietly(f: Any) -> None:
+    if f is not None:
+        try:
+            f.close()
+        except Exception:
+            pass
 
 
 def block_runs(block: Block, shape: Sequence[int], itemsize: int) -> list[tuple[int, int]]:
@@ -750,41 +822,59 @@ def pwrite_runs(fd: int, runs: Sequence[tuple[int, memoryview]], piece: int = CH
 
 def seal_laid_out(comm: FlatComm | None, laid: LaidOut, error: BaseException | None,
                   table: np.ndarray | None, durable: bool) -> None:
-    """After every rank wrote (or failed): agree on ``error``, add the partial
-    checksums ``table`` (``Allreduce``), and let rank 0 put them in place, seal,
-    rename to the final name and ``fsync`` the folder. Collective over ``comm``.
+    """After every rank wrote (or failed): add the partial checksums ``table``
+    and a count of the ranks that failed (one ``Allreduce``; the failure
+    itself, ``error`` or ``laid.error``, agreed on only when some rank has one),
+    and let rank 0 put them in place, seal, rename to the final name and
+    ``fsync`` the folder. Collective over ``comm``.
 
     Raises:
         CheckpointError: on every rank when some rank failed, or sealing did
             (the temporary file is removed; nothing appears at the final name).
     """
     rank = 0 if comm is None else comm.rank
-    try:
-        agree_error(comm, error)
-    except BaseException:
-        if rank == 0:
-            _remove_quietly(laid.tmp)
-        raise
+    error = error or laid.error
+    count = len(laid.ordered)
+    full = np.zeros((count + 1, 2), dtype=np.uint64)
+    if error is None and table is not None:
+        full[:count] = table
+    full[count, 0] = error is not None
     if comm is not None and comm.size > 1:
         # MPI_SUM on unsigned 64-bit integers wraps modulo 2**64, as the checksum does.
-        comm.Allreduce(table, slot="checkpoint-checksums")
+        comm.Allreduce(full, slot="checkpoint-checksums")
+    if full[count, 0]:
+        try:
+            agree_error(comm, error)
+        finally:
+            if rank == 0:
+                laid.close()
+                _remove_quietly(laid.tmp)
     error = None
     if rank == 0:
         try:
-            _seal(laid, table, durable)
+            _seal(laid, full[:count], durable)
         except Exception as exc:
             error = CheckpointError(f"{laid.final}: sealing or renaming failed: {exc}")
+            laid.close()
             _remove_quietly(laid.tmp)
     agree_error(comm, error)
 
 
 def _seal(laid: LaidOut, table: np.ndarray, durable: bool) -> None:
-    """Rank 0: checksums in place, the seal, fsync, rename, fsync of the folder."""
+    """Rank 0: checksums in place (the file's one metadata write, at its
+    close), the seal, fsync, rename, fsync of the folder."""
     import h5py
 
-    with h5py.File(laid.tmp, "r+", locking=False) as f:
-        for t, row in zip(laid.ordered, table):
-            f[t.path].attrs.modify("checksum", row)
+    if laid.h5 is None:
+        f = h5py.File(laid.tmp, "r+", locking=False)
+        dsets = [f[t.path] for t in laid.ordered]
+    else:
+        (f, dsets), laid.h5 = laid.h5, None
+    try:
+        for d, row in zip(dsets, table):   # same type and size: in place
+            h5py.h5a.open(d.id, b"checksum").write(np.ascontiguousarray(row))
+    finally:
+        f.close()
     seal_file(laid.tmp, laid.userblock, laid.extents, durable=durable)
     os.replace(laid.tmp, laid.final)
     if durable:
@@ -803,18 +893,21 @@ def _write_direct(final: str, comm: FlatComm | None, tensors: Sequence[TensorRec
     rank = 0 if comm is None else comm.rank
     count = len(laid.ordered)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpishard-checksum")
-    error, table = None, None
-    writeback = _Writeback(laid.tmp, durable)
+    error, table = laid.error, None
+    writeback = _Writeback(laid.tmp, durable and error is None)
     try:
         sums = pool.submit(_checksums, dense, laid.index, count)
         try:
+            if error is not None:   # agreed on at the seal
+                raise error
             pwrite_runs(laid.fd, file_runs(dense, laid), after=writeback.wrote)
             if durable and rank != 0:
                 # Rank 0's data is made durable by the fsync of the seal (the
                 # same file, from the same node): one fsync less there.
                 os.fsync(laid.fd)
         except Exception as exc:
-            error = CheckpointError(f"{laid.tmp}: writing failed on rank {rank}: {exc}")
+            error = error or CheckpointError(f"{laid.tmp}: writing failed on rank {rank}: "
+                                             f"{exc}")
         try:
             table = np.array([s.to_array() for s in sums.result()],
                              dtype=np.uint64).reshape(count, 2)
@@ -824,7 +917,7 @@ def _write_direct(final: str, comm: FlatComm | None, tensors: Sequence[TensorRec
     finally:
         pool.shutdown(wait=True)
         writeback.close()
-        os.close(laid.fd)
+        laid.close_fd()
     seal_laid_out(comm, laid, error, table, durable)
     return final
 

@@ -7,7 +7,10 @@ parameters, gradients, optimizer state, buffers: the same sum as ``total``,
 with what a phase holds for a while, such as a checkpoint's whole optimizer
 state), the bytes the phase allocated at its peak as Python's ``tracemalloc``
 sees them (NumPy's arrays and every Python object, whoever made them; not
-during the steps, where tracing would slow every allocation), and the peak
+during the steps, where tracing would slow every allocation, nor during a
+checkpoint save, whose HDF5 layout it made three times as slow: there the
+growth of the resident memory over the phase, where the kernel's peak can be
+reset), and the peak
 resident memory of the process in it (Linux: ``VmHWM`` of ``/proc/self/status``,
 reset at each phase's start through ``/proc/self/clear_refs``; elsewhere the
 process' peak so far, ``resource.getrusage``).
@@ -25,11 +28,14 @@ import sys
 import tracemalloc
 from collections.abc import Callable, Iterator
 
-__all__ = ["PHASES", "PHASE_KEYS", "PhaseMemory", "current_rss", "process_peak_rss",
-           "reset_peak_rss"]
+__all__ = ["PHASES", "PHASE_KEYS", "PhaseMemory", "UNTRACED", "current_rss",
+           "process_peak_rss", "reset_peak_rss"]
 
 #: The phases a core reports, in the order a run usually meets them.
 PHASES = ("construction", "attach", "step", "save", "load", "recovery")
+#: Phases never traced: the steps (no ``allocated_step``) and a checkpoint
+#: save (``allocated_save`` is the growth of the resident memory).
+UNTRACED = ("step", "save")
 #: How the keys of a phase's peaks in ``memory_report()`` begin.
 PHASE_KEYS = ("peak_", "allocated_", "rss_peak_")
 
@@ -100,6 +106,7 @@ class PhaseMemory:
         self._open: str | None = None
         self._bytes = 0
         self._traced_base: int | None = None
+        self._rss_base: int | None = None
         self._started_tracing = False
 
     @property
@@ -109,16 +116,21 @@ class PhaseMemory:
 
     def begin(self, name: str, traced: bool = True) -> None:
         """Open phase ``name`` (ending another); nothing when it is open already.
-        ``traced=False``: no ``tracemalloc`` (no ``allocated_<name>``)."""
+        ``traced=False`` (always for `UNTRACED`): no ``tracemalloc``; then
+        ``allocated_<name>`` is the growth of the resident memory (none for
+        ``"step"``, nor where the kernel's peak cannot be reset)."""
         if self._open == name:
             return
         self.end()
         if name not in PHASES:
             raise ValueError(f"expecting a phase of {PHASES}, got {name!r}")
         self._open, self._bytes = name, self.current()
-        reset_peak_rss()
-        self._traced_base = None
-        if name != "step" and traced:   # tracing slows every allocation: not in the steps
+        reset = reset_peak_rss()
+        self._traced_base = self._rss_base = None
+        traced = traced and name not in UNTRACED   # tracing slows every allocation
+        if not traced and name != "step" and reset:
+            self._rss_base = current_rss()
+        if traced:
             self._started_tracing = not tracemalloc.is_tracing()
             if self._started_tracing:
                 tracemalloc.start()
@@ -132,7 +144,7 @@ class PhaseMemory:
         now = self._now()
         if self._traced_base is not None and self._started_tracing:
             tracemalloc.stop()
-        self._traced_base, self._started_tracing = None, False
+        self._traced_base, self._rss_base, self._started_tracing = None, None, False
         kept = self.peaks.setdefault(self._open, {})
         for key, value in now.items():
             kept[key] = max(kept.get(key, 0), value)
@@ -155,7 +167,7 @@ class PhaseMemory:
     def phase(self, name: str, traced: bool = True) -> Iterator[None]:
         """``name`` for the ``with`` block; inside another phase (not ``"step"``)
         the block counts in that one (an attach inside a load is the load's).
-        ``traced=False``: no ``tracemalloc`` (an asynchronous save's call)."""
+        ``traced=False``: no ``tracemalloc`` (see `begin`)."""
         opened = self.enter(name, traced)
         try:
             yield
@@ -171,6 +183,8 @@ class PhaseMemory:
         found = {"bytes": self._bytes, "rss": _kernel_peak()}
         if self._traced_base is not None:
             found["allocated"] = max(0, tracemalloc.get_traced_memory()[1] - self._traced_base)
+        elif self._rss_base is not None:
+            found["allocated"] = max(0, found["rss"] - self._rss_base)
         return found
 
     def report(self) -> dict[str, int]:

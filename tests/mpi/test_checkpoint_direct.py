@@ -20,9 +20,15 @@ from test_async_checkpoint import assert_same_file, make, make_data, params_of
 from worlds import batch_splits
 
 from mpishard import CheckpointError
-from mpishard.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
+from mpishard.checkpoint import (
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+    wait_for_checkpoint,
+)
 from mpishard.checkpoint import write as checkpoint_write
 from mpishard.checkpoint.collective import DRIVER_ENV, resolve_driver
+from mpishard.comm import from_comm
 
 pytestmark = [pytest.mark.mpi, batch_splits(24)]
 
@@ -105,6 +111,58 @@ def test_failed_direct_write_is_raised_on_every_rank(mpi_tmp_path, monkeypatch):
     assert not os.path.exists(mpi_tmp_path / "bad.h5")
     assert not [n for n in os.listdir(mpi_tmp_path) if ".tmp-" in n]
     load_checkpoint(good, model, strategy)   # the previous one is untouched
+
+
+def test_pieces_that_miss_or_overlap_are_refused_on_every_rank(mpi_tmp_path):
+    """One allgather tells every rank every rank's pieces: the coverage and a
+    rank's own problem are raised alike everywhere, with no agreement after it."""
+    from mpishard.checkpoint.format import TensorRecord
+
+    path = str(mpi_tmp_path / "bad.h5")
+    t = TensorRecord("params", "w", (8, 4), "<f8", 0)
+    whole = np.zeros((8, 4))
+    world = from_comm(WORLD, "test")
+    # Every rank gives the whole tensor: an overlap from 2 ranks on, a gap alone.
+    block = (slice(0, 8 if WORLD.size > 1 else 4), slice(0, 4))
+    pieces = [checkpoint_write.Piece(t, block, whole[block])]
+    with pytest.raises(CheckpointError, match="do not cover each dataset exactly once: "
+                                              "params/w"):
+        checkpoint_write.write_checkpoint_file(path, world, [t], pieces, {"/": {}},
+                                               driver="direct")
+    last = WORLD.size - 1
+    wrong = np.zeros((8, 4), dtype=np.float32) if WORLD.rank == last else whole
+    pieces = [checkpoint_write.Piece(t, (slice(0, 8), slice(0, 4)), wrong)]
+    with pytest.raises(CheckpointError, match="holds float32, the tensor is float64"):
+        checkpoint_write.write_checkpoint_file(path, world, [t], pieces, {"/": {}},
+                                               driver="direct")
+    WORLD.Barrier()
+    assert not [n for n in os.listdir(mpi_tmp_path) if n.startswith("bad.h5")]
+
+
+def test_a_rank_that_cannot_open_the_file_fails_the_save_on_every_rank(mpi_tmp_path,
+                                                                     monkeypatch):
+    """The open is no agreement of its own: its failure is agreed on with the
+    write's, at the seal (synchronous) or the commit (asynchronous)."""
+    model, strategy = make("zero2")
+    strategy.optimize(model, make_data(), epochs=1, batch_size=24)
+    last = WORLD.size - 1
+    real = checkpoint_write.os.open
+
+    def refusing(path, flags, *args):
+        if ".tmp-" in str(path) and flags & os.O_WRONLY:
+            raise OSError(2, "No such file or directory")
+        return real(path, flags, *args)
+
+    if WORLD.rank == last:
+        monkeypatch.setattr(checkpoint_write.os, "open", refusing)
+    for asynchronous in (False, True):
+        with pytest.raises(CheckpointError, match=f"rank {last} cannot open the temporary"):
+            save_checkpoint(mpi_tmp_path / "bad.h5", model, strategy,
+                            asynchronous=asynchronous)
+            wait_for_checkpoint()
+    monkeypatch.undo()
+    WORLD.Barrier()
+    assert not [n for n in os.listdir(mpi_tmp_path) if n.startswith("bad.h5")]
 
 
 def test_no_two_ranks_write_one_page_of_a_large_dataset(mpi_tmp_path, monkeypatch):
