@@ -1,18 +1,18 @@
 """How a rank waits for an MPI request: MPI's own busy wait, or short naps.
 
 MPI's blocking wait polls without pause. Where every rank has a core that is the
-quickest wait; where the ranks of a node outnumber its cores (a laptop, a CI
-machine, ``mpirun --oversubscribe``) the waiting ranks take the cores from the
-ranks the others are waiting for, and each collective takes many scheduler slices
-longer. There, the library's waits test the request and yield for ``SPIN_S``,
-then nap, from ``NAP_MIN_S`` doubling to ``NAP_MAX_S`` (a bound on the latency a
-nap adds).
+quickest wait; where the cores are shared (more ranks than cores, or other work
+on the node) the waiting ranks take cores from the ranks the others are waiting
+for. A napping wait tests the request and yields for ``SPIN_S``, then naps, from
+``NAP_MIN_S`` doubling to ``NAP_MAX_S`` (a bound on the latency a nap adds).
 
-``MPISHARD_WAIT`` (read once per process) chooses: ``auto`` (the default: nap
-where the launcher's count of this node's ranks, ``OMPI_COMM_WORLD_LOCAL_SIZE``
-or ``MPI_LOCALNRANKS``, exceeds ``os.cpu_count()``), ``spin`` (always MPI's
-wait) or ``nap`` (always nap). The waits under a timeout always test and nap (they
-must look at the clock).
+``MPISHARD_WAIT`` (read once per process) chooses: ``spin`` (the default: MPI's
+wait), ``nap``, or ``auto`` (nap where the launcher's count of this node's ranks,
+``OMPI_COMM_WORLD_LOCAL_SIZE`` or ``MPI_LOCALNRANKS``, exceeds
+``os.cpu_count()``). Napping is not the default: measured on 2 cores, 4 ranks of
+small models, it was 0.71-0.78x the time of spinning with other work on the
+machine (load 11-18) but 1.16x without (docs/install.md, "Waiting ranks"). The
+waits under a timeout always test and nap (they must look at the clock).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def naps() -> bool:
         ValueError: ``MPISHARD_WAIT`` is not one of
             [`WAIT_MODES`][mpishard.comm.waiting.WAIT_MODES].
     """
-    mode = os.environ.get("MPISHARD_WAIT", "auto").strip().lower() or "auto"
+    mode = os.environ.get("MPISHARD_WAIT", "spin").strip().lower() or "spin"
     if mode not in WAIT_MODES:
         raise ValueError(f"MPISHARD_WAIT must be one of {', '.join(WAIT_MODES)}, "
                          f"not {mode!r}")

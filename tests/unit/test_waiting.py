@@ -22,6 +22,7 @@ def fresh(monkeypatch):
 
 @pytest.mark.parametrize("name", ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"])
 def test_auto_naps_only_where_the_nodes_ranks_outnumber_its_cores(monkeypatch, name):
+    monkeypatch.setenv("MPISHARD_WAIT", "auto")
     cores = os.cpu_count() or 1
     monkeypatch.setenv(name, str(cores))
     assert not waiting.naps()
@@ -30,8 +31,15 @@ def test_auto_naps_only_where_the_nodes_ranks_outnumber_its_cores(monkeypatch, n
     assert waiting.naps()
 
 
-def test_no_launcher_count_spins():
+def test_the_default_spins_even_where_ranks_outnumber_cores(monkeypatch):
     assert not waiting.naps()
+    waiting.naps.cache_clear()
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1000")
+    assert not waiting.naps()
+    waiting.naps.cache_clear()
+    monkeypatch.setenv("MPISHARD_WAIT", "auto")
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE")
+    assert not waiting.naps()     # auto without a launcher's count
 
 
 @pytest.mark.parametrize("mode, naps", [("spin", False), ("nap", True), (" NAP ", True)])
