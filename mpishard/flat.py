@@ -27,6 +27,7 @@ __all__ = [
     "Range",
     "TensorSpec",
     "bucket_ranges",
+    "buckets_of",
     "shard_ranges",
     "split_range",
     "unit_ranges",
@@ -192,9 +193,17 @@ def bucket_ranges(layout: ParamLayout, bucket_elements: int) -> list[Range]:
     """
     if bucket_elements < 1:
         raise ValueError(f"bucket size must be at least 1 element, got {bucket_elements}")
+    return buckets_of(unit_ranges(layout), bucket_elements)
+
+
+def buckets_of(units: list[Range], bucket_elements: int) -> list[Range]:
+    """Buckets of whole ``units`` (contiguous ranges in layout order), in backward
+    order: walking from the last unit, units join the current bucket until it
+    would exceed ``bucket_elements``; a larger unit gets a bucket of its own.
+    The rule of [`bucket_ranges`][mpishard.flat.bucket_ranges], for any units. Pure."""
     buckets: list[Range] = []
-    stop = start = layout.size
-    for unit in reversed(unit_ranges(layout)):
+    stop = start = units[-1].stop if units else 0
+    for unit in reversed(units):
         if start < stop and (stop - unit.start) > bucket_elements:
             buckets.append(Range(start, stop))
             stop = start

@@ -36,7 +36,7 @@ from ..comm.ring import RING_MIN_ELEMENTS, RingComm
 from ..comm.timing import agree_on_fastest, reduce_once, time_alternatives
 from ..config import ShardingConfiguration
 from ..errors import MpiShardError
-from ..flat import Range, bucket_ranges, shard_ranges
+from ..flat import Range, bucket_ranges, buckets_of, shard_ranges
 from ..protocols import BucketedModel
 from .options import REDUCE_METHODS
 from .overlap import decide_overlap
@@ -138,8 +138,7 @@ class GradientReduction:
         #: The buckets are cut at the model's gradient pieces (a model that hands
         #: its gradients over piece by piece to slot buffers: ``gradient_pieces``).
         self.pieces = bool(self.slots) and hasattr(model, "bind_gradient_pieces")
-        ranges = (_piece_buckets(model.gradient_pieces(self.bucket_elements),
-                                 self.bucket_elements)
+        ranges = (buckets_of(model.gradient_pieces(self.bucket_elements), self.bucket_elements)
                   if self.pieces else bucket_ranges(model.layout, self.bucket_elements))
         overlap = options.overlap
         if isinstance(overlap, str) and can_overlap:   # "auto" or "measure"
@@ -600,23 +599,6 @@ class ReducedToShards(GradientReduction):
 
     def repro_nbytes(self) -> int:
         return self._words.nbytes() if self._words is not None else 0
-
-
-def _piece_buckets(pieces: list[Range], bucket_elements: int) -> list[Range]:
-    """Buckets of whole ``pieces`` (layout order, tiling the vector), in backward
-    order, as [`bucket_ranges`][mpishard.flat.bucket_ranges] cuts whole layers:
-    pieces join the current bucket until it would exceed ``bucket_elements``.
-    Pure."""
-    buckets: list[Range] = []
-    stop = start = pieces[-1].stop if pieces else 0
-    for piece in reversed(pieces):
-        if start < stop and (stop - piece.start) > bucket_elements:
-            buckets.append(Range(start, stop))
-            stop = start
-        start = piece.start
-    if start < stop:
-        buckets.append(Range(start, stop))
-    return buckets
 
 
 def _piece_views(buckets: GradientBuckets) -> Callable[[Range], Any]:

@@ -18,12 +18,11 @@ from mpi4py import MPI
 
 from mpishard import ShardingConfiguration
 from mpishard.checkpoint import load_checkpoint, save_checkpoint
-from mpishard.flat import bucket_ranges, shard_ranges, unit_ranges
+from mpishard.flat import bucket_ranges, buckets_of, shard_ranges, unit_ranges
 from mpishard.nn import MLP
 from mpishard.optim import Adam
 from mpishard.parallel.memory import PHASES, process_peak_rss
 from mpishard.parallel.options import AUTO_BUCKET_LIMITS_MB, AUTO_BUCKET_SHARE
-from mpishard.parallel.reduction import _piece_buckets
 from mpishard.strategies import DDPOptimizer, ZeRO3Optimizer
 
 pytestmark = pytest.mark.mpi
@@ -77,7 +76,7 @@ def test_default_zero3_buffers_are_a_fraction_of_ddps():
     # over in (inside layers): no larger than whole-unit buckets, none over the
     # bucket unless one piece is.
     pieces = model.gradient_pieces(bucket)
-    assert zero3.core.buckets.ranges == _piece_buckets(pieces, bucket)
+    assert zero3.core.buckets.ranges == buckets_of(pieces, bucket)
     assert _slot_sizes(zero3.core.buckets.ranges) <= grad_buffers
     grad_buffers = _slot_sizes(zero3.core.buckets.ranges)
     assert zero3.core.bucket_elements == bucket == zero3.core.placement.gather_elements

@@ -18,10 +18,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from mpishard.flat import ParameterShard, Range
+from mpishard.flat import ParameterShard, Range, buckets_of
 from mpishard.nn import GPT, MLP, Linear
 from mpishard.nn.stack import uninitialised_shards
-from mpishard.parallel.reduction import _piece_buckets
 
 MODELS = {
     "mlp": lambda: MLP([16, 64, 64, 5], seed=2),
@@ -95,7 +94,7 @@ def test_pieces_respect_the_size_and_the_groups():
     rows = [p for p in pieces if fc1.offset <= p.start < fc1.range.stop]
     assert rows and all(len(p) == fc1.shape[1] for p in rows)    # one row: 128 > 100
     # Buckets of whole pieces: none over the size unless one piece is.
-    for bucket in _piece_buckets(pieces, 150):
+    for bucket in buckets_of(pieces, 150):
         inside = [p for p in pieces if bucket.start <= p.start < bucket.stop]
         assert len(bucket) <= 150 or len(inside) == 1
         assert inside[0].start == bucket.start and inside[-1].stop == bucket.stop
