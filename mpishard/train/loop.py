@@ -59,13 +59,9 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
     sampling, reporting, checkpointing = option_groups(sampling, reporting, checkpointing,
                                                        flat, strategy)
     core = strategy
-    trains, joined = _take_part(core, model)
+    trains, joined, promoted = _joining(core, model, checkpointing, reporting)
     if not trains:
         return TrainResult(spare="unused")
-    promoted = joined is not None
-    if not promoted:   # a rank lost since the last call: recovered first, as in a step
-        joined = recover_between_calls(core, model, checkpointing.manager, reporting.label,
-                                       checkpointing.min_workers)
     stuck.note_training(True)   # removed at the end: left, it says training was cut short
     continuing = core.data_position is not None
     feeder = Feeder(core, model, data, epochs, batch_size, sampling)
@@ -95,6 +91,19 @@ def run_training(strategy: StrategyCore, model: Model, data: Any,
     finally:
         report.close()
     return result
+
+
+def _joining(core: StrategyCore, model: Model, checkpointing: Checkpointing,
+             reporting: Reporting) -> tuple[bool, Any, bool]:
+    """Whether this rank trains; what it joins (a promotion, or a recovery from a
+    rank lost since the last call, as in a step), else None; whether it was promoted."""
+    trains, joined = _take_part(core, model)
+    if not trains:
+        return False, None, False
+    if joined is not None:
+        return True, joined, True
+    return True, recover_between_calls(core, model, checkpointing.manager, reporting.label,
+                                       checkpointing.min_workers), False
 
 
 def _take_part(core: StrategyCore, model: Model) -> tuple[bool, Any]:
