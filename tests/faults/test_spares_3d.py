@@ -159,6 +159,16 @@ def _draw(name):
         ["between", "backward"]))
 
 
+def _result(job):
+    """The RESULT record of a job that ended well (exit 0, or None: hung in
+    MPI_Finalize, see ulfm_job), with no traceback."""
+    out = job.stdout
+    match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
+    assert match, out
+    assert job.returncode in (0, None) and "Traceback" not in out, out
+    return json.loads(match.group(1))
+
+
 def _hand_over_lines(job):
     """The ``[mpishard]`` lines of a job that handed over: exit 75, no traceback."""
     out = job.stdout
@@ -177,12 +187,7 @@ def test_a_spare_takes_a_tensor_ranks_place_in_a_3d_layout(strategy, repro):
     _ft_or_skip()
     victim, step, phase = _draw(strategy)
     job = ulfm_job(9, _code(strategy, [(victim, step, phase)], repro=repro), timeout=150)
-    out = job.stdout
-    match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
-    assert match, out
-    assert job.returncode in (0, None), out   # None: hung in MPI_Finalize, see ulfm_job
-    assert "Traceback" not in out, out
-    result = json.loads(match.group(1))
+    result = _result(job)
     assert result["first_spares"] == [None] * 8 + ["unused"], result
     [rec] = result["recoveries"]
     assert rec["from"] == "spares" and rec["lost_ranks"] == [victim], rec
@@ -200,7 +205,7 @@ def test_a_spare_takes_a_tensor_ranks_place_in_a_3d_layout(strategy, repro):
     assert sorted(tuple(r["where"]) for r in ranks) == sorted(
         (d, t, p) for d in range(2) for t in range(2) for p in range(2)), ranks
     for r in ranks:
-        assert r["close"] and r["losses_close"], (r, out)
+        assert r["close"] and r["losses_close"], (r, job.stdout)
         if repro:
             assert r["equal"] and r["losses_equal"], r
     print(f"{strategy} victim {victim} step {step} {phase}: recovery {rec['seconds']:.3f} s, "
@@ -219,11 +224,7 @@ def test_the_newcomer_receives_only_its_shard_under_3d_zero(strategy):
     _ft_or_skip()
     job = ulfm_job(9, _code(strategy, [(1, 3, "backward")], repro=strategy == "zero3",
                             sizes=(6, 256, 256, 256, 4), measure=True), timeout=240)
-    out = job.stdout
-    match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
-    assert match, out
-    assert job.returncode in (0, None) and "Traceback" not in out, out
-    result = json.loads(match.group(1))
+    result = _result(job)
     [rec] = result["recoveries"]
     assert rec["from"] == "spares" and rec["promoted"] == [8], rec
     assert result["steps"] == 8 and result["world_size"] == 8, result
@@ -287,12 +288,7 @@ def test_the_spare_used_then_one_more_loss_drops_the_broken_replica():
     # dropped as without spares, and replica 0, the newcomer in it, goes on alone.
     _ft_or_skip()
     job = ulfm_job(9, _code("ddp", [(1, 2, "between"), (6, 5, "between")]), timeout=150)
-    out = job.stdout
-    match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
-    assert match, out
-    assert job.returncode in (0, None), out
-    assert "Traceback" not in out, out
-    result = json.loads(match.group(1))
+    result = _result(job)
     first, second = result["recoveries"]
     assert first["from"] == "spares" and first["lost_ranks"] == [1], first
     assert first["promoted"] == [8] and first["world_size"] == 8 and first["step"] == 2, first
@@ -309,11 +305,7 @@ def test_the_spare_used_then_one_more_loss_drops_the_broken_replica():
 def _dropped_replica_run(job, dropped, kept):
     """The job went on over the whole replica (world ranks ``kept``, dp 1) after
     dropping the broken one (its alive ranks ``dropped``), as without spares."""
-    out = job.stdout
-    match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
-    assert match, out
-    assert job.returncode in (0, None) and "Traceback" not in out, out
-    result = json.loads(match.group(1))
+    result = _result(job)
     [rec] = result["recoveries"]
     assert rec["from"] == "replica" and rec["dropped_ranks"] == dropped, rec
     assert rec["data_parallel_size"] == 1 and rec["world_size"] == 4, rec

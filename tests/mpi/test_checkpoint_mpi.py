@@ -201,9 +201,7 @@ def test_resume_at_any_size_and_strategy(writer, reader, m, driver, mpi_tmp_path
         twin, twin_losses = handed_over(reader, comm, saved_params, saved_state)
         np.testing.assert_array_equal(whole(resumed), whole(twin))
         np.testing.assert_array_equal(rest, twin_losses)
-        # The same sums, so the same bits: the same ranks and a gradient cut the same
-        # way (ZeRO-2/3 hand a weight's gradient over in row blocks, whose products
-        # may round otherwise than DDP's whole one: docs/guide/strategies.md).
+        # Equal bits where the sums are: same ranks, gradients cut alike (ZeRO's row blocks).
         same_sums = m == WORLD.size and (reader == writer or {reader, writer} <= set(SHARDED))
         if same_sums:
             np.testing.assert_array_equal(whole(resumed), ref_params)
