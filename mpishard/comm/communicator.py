@@ -434,13 +434,6 @@ class FlatComm:
                    finish: Callable[[], None] | None = None, op: str = "sum") -> Handle:
         """Start reducing ``buf`` in place over the group (``op``: sum by default).
         Collective over the group."""
-        return self._iallreduce(buf, slot, finish, op)
-
-    # The blocking calls start their non-blocking form through these, not through
-    # the public methods, so that a subclass's Iallreduce (one that counts the
-    # calls, say) sees only the calls made as such.
-    def _iallreduce(self, buf: Any, slot: Any, finish: Callable[[], None] | None,
-                    op: str) -> Handle:
         xp = self._deferrable(buf)
         if xp is not None:
             host, copied = self._copy_down(buf, slot, xp)
@@ -456,7 +449,7 @@ class FlatComm:
         Collective over the group."""
         self.flush_deferred()
         if self._polls or array_namespace(buf) is not np:
-            self._iallreduce(buf, slot, None, op).wait()
+            self.Iallreduce(buf, slot, op=op).wait()
         else:
             self.comm.Allreduce(MPI.IN_PLACE, buf, op=_op(op))
 
@@ -465,10 +458,6 @@ class FlatComm:
                         finish: Callable[[], None] | None = None) -> Handle:
         """Start summing ``sendbuf`` over the group, rank ``i`` keeping the ``i``-th
         piece of ``counts[i]`` elements in ``recvbuf``. Collective over the group."""
-        return self._ireduce_scatter(sendbuf, recvbuf, counts, slot, finish)
-
-    def _ireduce_scatter(self, sendbuf: Any, recvbuf: Any, counts: list[int], slot: Any,
-                         finish: Callable[[], None] | None) -> Handle:
         xp = self._deferrable(sendbuf, recvbuf)
         if xp is not None:
             send, copied = self._copy_down(sendbuf, (slot, "send"), xp)
@@ -489,7 +478,7 @@ class FlatComm:
         group."""
         self.flush_deferred()
         if self._polls or array_namespace(sendbuf) is not np:
-            self._ireduce_scatter(sendbuf, recvbuf, counts, slot, None).wait()
+            self.Ireduce_scatter(sendbuf, recvbuf, counts, slot).wait()
         else:
             self.comm.Reduce_scatter(sendbuf, recvbuf, counts, op=MPI.SUM)
 
