@@ -90,9 +90,16 @@ def run(kills):
                 return real(*a, **k)
             stage.backward_stage = backward_stage
     def callback(step, loss):
+        # The victims of one step die at once: the first SIGKILLs the others (which
+        # may be behind it, in another stage), then itself; else a survivor could
+        # notice the first death and recover before the second victim got there.
+        between = [who for who, at, phase in kills if phase == "between" and at == step]
+        if between and between[0] == rank:
+            for who in between[1:]:
+                os.kill(pids[who], signal.SIGKILL)
+                print(f"KILL {{who}} between (by {{rank}})", flush=True)
+            die("between")
         for who, at, phase in kills:
-            if who == rank and phase == "between" and step == at:
-                die("between")
             if phase == "waiting" and step == at and opt.config.world.rank == 0:
                 os.kill(pids[who], signal.SIGKILL)     # the spare, while it waits
                 print(f"KILL {{who}} waiting", flush=True)
