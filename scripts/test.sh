@@ -6,7 +6,7 @@
 #      only mpishard.comm imports mpi4py), ruff, and `mkdocs build --strict` (the
 #      documentation site of docs/: a broken link, a missing page or an API page
 #      that does not render fails the run); a violation fails the run;
-#   1. tests/unit (no MPI world: pure arithmetic, layers, optimizers), plain pytest,
+#   1. tests/unit (no MPI world: pure arithmetic, layers, optimizers), pytest -n 2,
 #      beside step 0; the few tests that need h5py after its build;
 #   2. tests/jobs (each test starts its own mpirun or a whole program: launch, CLI,
 #      Slurm, stalls, aborts, the elastic agent), plain pytest, 3 tests at a time
@@ -68,11 +68,11 @@ fi
 # made unimportable as it is on a new machine while the build runs
 # (scripts/pytest_before_h5py.py); a test that stops on `import h5py` is written to
 # $unit_deferred and runs after the build. Its output is printed after the documentation.
-# One process: its BLAS threads use both cores (with two pytest-xdist workers it
-# ended at 2:09 against 2:13, but took 131 s of CPU against about 91 s).
+# Two pytest-xdist workers: in fresh clones of the same tests it ended at 2:09,
+# against 2:22 in one process (whose BLAS threads use both cores already).
 unit_deferred=$setup_logs/unit-deferred
 PYTHONPATH="$repo/scripts${PYTHONPATH:+:$PYTHONPATH}" MPISHARD_DEFERRED="$unit_deferred" \
-  "$py" -m pytest -q -p no:cacheprovider --color=no --durations=10 -p pytest_before_h5py "$@" \
+  "$py" -m pytest -q -p no:cacheprovider --color=no --durations=10 -n 2 -p pytest_before_h5py "$@" \
   tests/unit \
   >"$setup_logs/unit.log" 2>&1 &
 unit_tests=$!
