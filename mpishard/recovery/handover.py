@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import NoReturn
+
+from mpi4py import MPI
 
 from ..comm import ulfm
 from ..errors import HandOver
@@ -14,11 +17,45 @@ __all__ = ["hand_over"]
 def hand_over(over: HandOver) -> NoReturn:
     """End this process with ``over.exit_code`` (no ``MPI_Finalize``:
     [`ulfm.exit_now`][mpishard.comm.ulfm.exit_now]), its ``speaker`` writing the
-    message on stderr first. Local."""
+    message on stderr first; with a non-zero code no rank of ``over.group``
+    exits before the speaker has written (see `_after_the_speaker`). Local, but
+    for that wait."""
     if over.speaker:
         sys.stderr.write(f"[mpishard] {over}\n")
+        sys.stderr.flush()
+    if over.exit_code != 0:
+        _after_the_speaker(over)
     ulfm.exit_now(over.exit_code)
     raise AssertionError("unreachable: ulfm.exit_now ends the process")
+
+
+#: How long the ranks of a hand-over wait for each other (seconds), and how long a
+#: rank that cannot wait so gives the speaker before exiting.
+GROUP_WAIT, GRACE = 10.0, 5.0
+
+
+def _after_the_speaker(over: HandOver) -> None:
+    """Return once the speaker has written its line: a non-zero exit makes
+    ``mpirun`` kill the whole job at once, so a rank leaving first could take the
+    line with it (seen: exit 75 and no line). The ranks of ``over.group`` meet in
+    an ``Ibarrier`` the speaker enters after writing (at most ``GROUP_WAIT``);
+    without a group, or where it fails (a rank lost meanwhile), a non-speaker
+    waits ``GRACE`` (``mpirun`` ends it sooner, once the speaker exits)."""
+    group = getattr(over.group, "comm", over.group)
+    if group is not None:
+        try:
+            request = group.Ibarrier()
+            deadline = time.monotonic() + GROUP_WAIT
+            while not request.Test():
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.001)
+            else:
+                return
+        except MPI.Exception:
+            pass
+    if not over.speaker:
+        time.sleep(GRACE)
 
 
 #: 0.5's name of ``hand_over`` (the faults guide names it), kept importable.

@@ -1,0 +1,47 @@
+"""The one line of a hand-over outlives the other ranks' exits.
+
+A non-zero exit makes ``mpirun`` end the whole job at once: a rank that handed
+over (exit 75) before the speaker had written its line took the line with it
+(seen in CI: ``tests/faults/test_spares_3d.py`` ended with exit 75 and no
+``[mpishard]`` line). Here the speaker (rank 0) reaches
+[`hand_over`][mpishard.recovery.hand_over] a second after the others, on
+purpose; its line must be in the job's output, exactly once, with the group of
+the ranks handing over together (they meet after the speaker wrote) and without
+one (the others give the speaker ``GRACE`` seconds).
+
+Runs in the fault-tolerant runtime (``.venv-ft/bin/python -m pytest
+tests/faults/test_handover.py``); elsewhere it skips, saying why.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_ulfm import _ft_or_skip, ulfm_job
+
+pytestmark = pytest.mark.launch
+
+JOB = r"""
+import time
+from mpi4py import MPI
+from mpishard.comm import from_comm
+from mpishard.errors import HandOver
+from mpishard.recovery import hand_over
+
+world = from_comm(MPI.COMM_WORLD, "world")
+world.barrier()
+if world.rank == 0:
+    time.sleep(1.0)      # the speaker comes last
+group = world if {with_group} else None
+hand_over(HandOver("train: the line of the speaker; exiting with 75 to be relaunched",
+                   exit_code=75, speaker=world.rank == 0, group=group))
+"""
+
+
+@pytest.mark.parametrize("with_group", [True, False], ids=["group", "no-group"])
+def test_the_speakers_line_outlives_the_other_ranks_exits(with_group):
+    _ft_or_skip()
+    job = ulfm_job(4, JOB.format(with_group=with_group), timeout=60)
+    lines = [line for line in job.stdout.splitlines() if line.startswith("[mpishard]")]
+    assert lines == ["[mpishard] train: the line of the speaker; exiting with 75 to be "
+                     "relaunched"], job.stdout
+    assert job.returncode == 75, job.stdout
