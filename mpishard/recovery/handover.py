@@ -6,8 +6,6 @@ import sys
 import time
 from typing import NoReturn
 
-from mpi4py import MPI
-
 from ..comm import ulfm
 from ..errors import HandOver
 
@@ -37,26 +35,12 @@ GROUP_WAIT, GRACE = 10.0, 5.0
 def _after_the_speaker(over: HandOver) -> None:
     """Return once the speaker has written its line: a non-zero exit makes
     ``mpirun`` kill the whole job at once, so a rank leaving first could take the
-    line with it (seen: exit 75 and no line). The ranks of ``over.group`` meet in
-    an ``Ibarrier`` the speaker enters after writing (at most ``GROUP_WAIT``);
+    line with it (seen: exit 75 and no line). The ranks of ``over.group`` meet
+    ([`ulfm.meet`][mpishard.comm.ulfm.meet], at most ``GROUP_WAIT``) once the
+    speaker has written;
     without a group, or where it fails (a rank lost meanwhile), a non-speaker
     waits ``GRACE`` (``mpirun`` ends it sooner, once the speaker exits)."""
-    group = getattr(over.group, "comm", over.group)
-    if group is not None:
-        try:
-            request = group.Ibarrier()
-            deadline = time.monotonic() + GROUP_WAIT
-            while not request.Test():
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.001)
-            else:
-                return
-        except MPI.Exception:
-            pass
+    if over.group is not None and ulfm.meet(over.group, GROUP_WAIT):
+        return
     if not over.speaker:
         time.sleep(GRACE)
-
-
-#: 0.5's name of ``hand_over`` (the faults guide names it), kept importable.
-leave = hand_over
