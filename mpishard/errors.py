@@ -6,8 +6,6 @@ The collective agreement on an error (every rank raises the same one) is
 
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = [
     "CheckpointError",
     "CheckpointWarning",
@@ -77,18 +75,14 @@ class HandOver(MpiShardError):
             goes on elsewhere).
         speaker: True on the one rank that writes the message.
         stopped: why the run stopped, as the metrics' ``end`` record says it.
-        group: the communicator of the ranks handing over together (or None):
-            none of them exits before the speaker has written its line (a
-            non-zero exit makes ``mpirun`` end the whole job at once).
     """
 
     def __init__(self, message: str, *, exit_code: int, speaker: bool,
-                 stopped: str = "hand-over", group: Any = None) -> None:
+                 stopped: str = "hand-over") -> None:
         super().__init__(message)
         self.exit_code = exit_code
         self.speaker = speaker
         self.stopped = stopped
-        self.group = group
 
 
 class CheckpointWarning(UserWarning):

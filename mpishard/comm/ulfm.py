@@ -42,7 +42,7 @@ from . import stuck
 from .communicator import FlatComm
 
 __all__ = ["FAILURE_CLASSES", "MODES", "Survivors", "available", "enable", "exit_now",
-           "is_failure", "is_on", "lost_since", "meet", "recover", "wanted"]
+           "is_failure", "is_on", "lost_since", "recover", "wanted"]
 
 #: The error classes that mean "a rank of this communicator failed" (or another
 #: survivor revoked it after seeing that).
@@ -202,24 +202,6 @@ def lost_since(world: FlatComm) -> BaseException | None:
             raise
         return exc
     return None
-
-
-def meet(comm: FlatComm | MPI.Comm, seconds: float) -> bool:
-    """Whether every rank of ``comm`` came to this call within ``seconds`` (a
-    non-blocking barrier, tested until then): False on a failure (a rank lost)
-    or past ``seconds``, the barrier then left pending (for a process about to
-    exit). Collective over ``comm``."""
-    comm = getattr(comm, "comm", comm)
-    try:
-        request = comm.Ibarrier()
-        deadline = time.monotonic() + seconds
-        while not request.Test():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(1e-3)
-    except MPI.Exception:
-        return False
-    return True
 
 
 def exit_now(code: int = 0) -> None:

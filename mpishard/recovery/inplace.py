@@ -75,8 +75,7 @@ def recover_in_place(core: StrategyCore, exc: BaseException | None = None, *,
     if why is not None:
         raise HandOver(f"lost world rank(s) {rec.lost} after step {rec.step}, cannot go on "
                        f"in place ({why})",
-                       exit_code=EXIT_STOPPED, speaker=rec.world.rank == 0,
-                       group=rec.world)
+                       exit_code=EXIT_STOPPED, speaker=rec.world.rank == 0)
     if core.drops_replicas:   # whole replicas go on
         return core, drop_replicas(core, rec, buddy=buddy, marks=marks, exc=exc)
     # How the placement's state is put back: sent by a survivor (replicated), or
@@ -137,8 +136,7 @@ def _sharded_pieces(core: RecoverableCore, buddy: ShardBuddy | None, rec: ulfm.S
         raise HandOver("cannot recover ZeRO-2 in place: the lost rank's shard of the "
                        "optimizer state is gone (no buddy copy of it) and there is no "
                        "checkpoint folder; restart from a checkpoint",
-                       exit_code=EXIT_STOPPED, speaker=rec.world.rank == 0,
-                       group=rec.world)
+                       exit_code=EXIT_STOPPED, speaker=rec.world.rank == 0)
     return rec.step, None
 
 
@@ -193,7 +191,7 @@ def _roll_back(core: RecoverableCore, checkpoints: CheckpointManager, rec: ulfm.
     if info is None:
         raise HandOver(f"cannot recover ZeRO-2 in place: the checkpoint folder "
                        f"{checkpoints.folder} holds no checkpoint to roll back to",
-                       exit_code=EXIT_STOPPED, speaker=world.rank == 0, group=world)
+                       exit_code=EXIT_STOPPED, speaker=world.rank == 0)
     if world.rank == 0:
         warnings.warn(f"ZeRO-2 lost the optimizer-state shard of world rank(s) {rec.lost}: "
                       f"rolled back from step {rec.step} to the checkpoint {info.path} (step "

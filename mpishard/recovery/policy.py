@@ -118,7 +118,7 @@ class RecoveryPolicy:
                    + (f"checkpoint {path} at step {core.step_count}" if path is not None
                       else "no checkpoint folder, nothing saved"))
             raise self._labelled(HandOver(why, exit_code=EXIT_STOPPED, speaker=world.rank == 0,
-                                          stopped="too-few-workers", group=world))
+                                          stopped="too-few-workers"))
         return event
 
     def rearm(self) -> None:
@@ -132,8 +132,7 @@ class RecoveryPolicy:
         if over.exit_code == 0:
             return over
         return HandOver(f"{self.label}: {over}; exiting with {over.exit_code} to be relaunched",
-                        exit_code=over.exit_code, speaker=over.speaker, stopped=over.stopped,
-                        group=over.group)
+                        exit_code=over.exit_code, speaker=over.speaker, stopped=over.stopped)
 
 
 def recover_between_calls(core: StrategyCore, model: Any,

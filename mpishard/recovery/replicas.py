@@ -104,7 +104,7 @@ def drop_replicas(strategy: RecoverableCore, rec: ulfm.Survivors, *,
 
     def hand_over(why: str) -> HandOver:
         return HandOver(f"cannot recover in place: {why}; restart from a checkpoint",
-                        exit_code=EXIT_STOPPED, speaker=world.rank == 0, group=world)
+                        exit_code=EXIT_STOPPED, speaker=world.rank == 0)
 
     if not kept:
         what = "; ".join(f"replica {d} lost world rank(s) {lost}"

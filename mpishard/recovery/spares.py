@@ -275,7 +275,7 @@ def wait_as_spare(core: StrategyCore, model: Any) -> Promoted | None:
         clock.lap("job_shrink")
         if all(r < 0 for r in every):
             raise HandOver("spare rank woken, but every training rank is gone",
-                           exit_code=EXIT_STOPPED, speaker=job.rank == 0, group=job)
+                           exit_code=EXIT_STOPPED, speaker=job.rank == 0)
         info = job.bcast(None, root=_first_trainer(every))
         clock.lap("info")
         event = _take_seats(core, config, pool, job, every, info, t0, None, clock)
@@ -304,7 +304,7 @@ def _take_seats(core: StrategyCore, template: ShardingConfiguration, pool: Spare
     if info["problem"] is not None:
         raise HandOver(f"lost world rank(s) {info['lost']} after step {info['step']}, "
                        f"spares not promoted: {info['problem']}",
-                       exit_code=EXIT_STOPPED, speaker=speaker, group=job)
+                       exit_code=EXIT_STOPPED, speaker=speaker)
     pool.job = job
     pool.spares = [j for j, r in enumerate(every) if r < 0 and j not in seated]
     child = job.split(0 if mine is not None else 1, mine if mine is not None else 0, "training")
