@@ -204,13 +204,14 @@ def lost_since(world: FlatComm) -> BaseException | None:
     return None
 
 
-def exit_now(code: int = 0) -> None:
+def exit_now(code: int = 0, *, linger: float = 0.0) -> None:
     """End this process now, with ``code``, without ``MPI_Finalize``: for the end of
     a job that lost a rank. Open MPI 5's ``MPI_Finalize`` may then wait forever
     for the dead rank (a PMIx fence; open-mpi/ompi#11404 and #9434; here about 1
     job in 4-10 hung so on a loaded machine). Under ``mpirun --with-ft ulfm`` a
     process that ends so is not an error: ``mpirun`` still exits 0. Flushes
-    ``sys.stdout`` and ``sys.stderr`` first; Python's ``atexit`` handlers do not run.
+    ``sys.stdout`` and ``sys.stderr`` first, then waits ``linger`` seconds;
+    Python's ``atexit`` handlers do not run.
     """
     stuck.forget()   # an exit, not a death, for the relaunch agent
     for stream in (sys.stdout, sys.stderr):
@@ -218,6 +219,8 @@ def exit_now(code: int = 0) -> None:
             stream.flush()
         except (AttributeError, OSError, ValueError):
             pass
+    if linger > 0:
+        time.sleep(linger)
     os._exit(code)
 
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import sys
-import time
 from typing import NoReturn
 
-from ..comm import stuck, ulfm
+from ..comm import ulfm
 from ..errors import HandOver
 
 __all__ = ["GRACE", "hand_over"]
@@ -22,27 +21,14 @@ def hand_over(over: HandOver) -> NoReturn:
     ``GRACE`` seconds (5). Local."""
     if over.speaker:
         sys.stderr.write(f"[mpishard] {over}\n")
-        sys.stderr.flush()
-    elif over.exit_code != 0:
-        _after_the_speaker()
-    ulfm.exit_now(over.exit_code)
+    # The others give the speaker time to write its line: a non-zero exit makes
+    # mpirun end the whole job at once, so a rank leaving first could take the line
+    # with it (seen in CI: exit 75 and no line). Under mpirun the speaker's own exit
+    # ends this wait. No MPI call: after a lost rank one may block (a barrier here
+    # once hung a job in Open MPI 5's non-blocking collectives).
+    quiet = not over.speaker and over.exit_code != 0
+    ulfm.exit_now(over.exit_code, linger=GRACE if quiet else 0.0)
     raise AssertionError("unreachable: ulfm.exit_now ends the process")
-
-
-def _after_the_speaker() -> None:
-    """Give the speaker time to write its line: a non-zero exit makes ``mpirun``
-    end the whole job at once, so a rank leaving first could take the line with
-    it (seen in CI: exit 75 and no line). Under ``mpirun`` the speaker's own
-    exit ends this wait; elsewhere it lasts ``GRACE``. No MPI call: after a lost
-    rank one may block (a barrier here once hung a job in Open MPI 5's
-    non-blocking collectives)."""
-    stuck.forget()   # an exit, not a death, for the relaunch agent
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
-    time.sleep(GRACE)
 
 
 #: 0.5's name of ``hand_over`` (the faults guide names it), kept importable.
