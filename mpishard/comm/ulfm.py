@@ -30,6 +30,7 @@ Collectives over a revoked or failed communicator are the only MPI calls made he
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterable
@@ -210,8 +211,9 @@ def exit_now(code: int = 0, *, linger: float = 0.0) -> None:
     for the dead rank (a PMIx fence; open-mpi/ompi#11404 and #9434; here about 1
     job in 4-10 hung so on a loaded machine). Under ``mpirun --with-ft ulfm`` a
     process that ends so is not an error: ``mpirun`` still exits 0. Flushes
-    ``sys.stdout`` and ``sys.stderr`` first, then waits ``linger`` seconds;
-    Python's ``atexit`` handlers do not run.
+    ``sys.stdout`` and ``sys.stderr`` first, then waits ``linger`` seconds (a
+    SIGTERM, ``mpirun`` ending the job, ends the wait); Python's ``atexit``
+    handlers do not run.
     """
     stuck.forget()   # an exit, not a death, for the relaunch agent
     for stream in (sys.stdout, sys.stderr):
@@ -220,6 +222,10 @@ def exit_now(code: int = 0, *, linger: float = 0.0) -> None:
         except (AttributeError, OSError, ValueError):
             pass
     if linger > 0:
+        try:   # a handler of the training loop would only note it and sleep on
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
+        except ValueError:   # not the main thread
+            pass
         time.sleep(linger)
     os._exit(code)
 

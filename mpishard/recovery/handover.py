@@ -21,11 +21,13 @@ def hand_over(over: HandOver) -> NoReturn:
     ``GRACE`` seconds (5). Local."""
     if over.speaker:
         sys.stderr.write(f"[mpishard] {over}\n")
-    # The others give the speaker time to write its line: a non-zero exit makes
-    # mpirun end the whole job at once, so a rank leaving first could take the line
-    # with it (seen in CI: exit 75 and no line). Under mpirun the speaker's own exit
-    # ends this wait. No MPI call: after a lost rank one may block (a barrier here
-    # once hung a job in Open MPI 5's non-blocking collectives).
+    # The others give the speaker time to write its line: ranks that left before it
+    # took the line with them (seen in CI under mpirun --with-ft ulfm: exit 75 and
+    # no line). A launcher that ends the job at the first non-zero exit (SIGTERM:
+    # mpirun without ULFM) ends this wait; mpirun --with-ft ulfm waits for every
+    # rank, so there the hand-over ends GRACE later. No MPI call: after a lost rank
+    # one may block (a barrier here once hung a job in Open MPI 5's non-blocking
+    # collectives).
     quiet = not over.speaker and over.exit_code != 0
     ulfm.exit_now(over.exit_code, linger=GRACE if quiet else 0.0)
     raise AssertionError("unreachable: ulfm.exit_now ends the process")
