@@ -23,12 +23,12 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 # Bytecode caches (__pycache__, ignored by git) are written even where the
-# environment says not to (PYTHONDONTWRITEBYTECODE=1, as on the 2-core
-# development machine): the suite starts thousands of Python processes (every rank of every
+# environment says not to (PYTHONDONTWRITEBYTECODE=1, as on the 2-core development
+# machine): the suite starts thousands of Python processes (every rank of every
 # job), and without the caches each compiles the library's ~130 modules again
-# (0.33 s of CPU per process; tests/faults/test_spares_3d.py took 65 s without them,
-# 46 s with them: docs/install.md). Compiled once before the tests start (compileall
-# writes where imports would not).
+# (0.33 s of CPU per process; tests/faults/test_spares_3d.py took 65 s without
+# them, 46 s with them: docs/install.md). The sources are compiled once before
+# the tests start (compileall writes where imports would not).
 unset PYTHONDONTWRITEBYTECODE
 # Each part's header says when it starts ([minutes:seconds] since the start): the
 # differences are the costs of the parts (docs/install.md's table); each pytest run

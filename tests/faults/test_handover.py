@@ -1,12 +1,11 @@
 """The one line of a hand-over outlives the other ranks' exits.
 
-A non-zero exit makes ``mpirun`` end the whole job at once: a rank that handed
-over (exit 75) before the speaker had written its line took the line with it
-(seen in CI: ``tests/faults/test_spares_3d.py`` ended with exit 75 and no
-``[mpishard]`` line). Here the speaker (rank 0) reaches
+Ranks that handed over (exit 75) before the speaker had written its line could
+end the job without it (seen in CI: ``tests/faults/test_spares_3d.py`` ended
+with exit 75 and no ``[mpishard]`` line). Here the speaker (rank 0) reaches
 [`hand_over`][mpishard.recovery.hand_over] a second after the others, on
 purpose; its line must be in the job's output, exactly once (the others give
-the speaker ``GRACE`` seconds, and the speaker's exit ends the job).
+the speaker ``GRACE`` seconds before they exit).
 
 Runs in the fault-tolerant runtime (``.venv-ft/bin/python -m pytest
 tests/faults/test_handover.py``); elsewhere it skips, saying why.
